@@ -1,0 +1,3 @@
+from delft.cli import main
+
+main()

@@ -1,0 +1,182 @@
+"""The ``delft`` command: parses arguments, calls the library, renders. No torch at import time."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from delft.errors import UserError, VerificationError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune language models to get numbers right (Digit Entropy Loss, QLoRA).")
+recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and plan their memory.")
+app.add_typer(recipe_app, name="recipe")
+
+console = Console()
+err_console = Console(stderr=True)
+DEBUG = os.environ.get("DELFT_DEBUG") == "1"
+
+SET_HELP = "Override a recipe key, e.g. --set train.max_steps=50 (repeatable)."
+
+
+def friendly(fn):
+    """User mistakes -> one red paragraph and exit 2; failed verifications -> exit 1. --debug re-raises."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (UserError, VerificationError) as e:
+            if DEBUG:
+                raise
+            label = "error" if isinstance(e, UserError) else "verification failed"
+            err_console.print(f"[bold red]{label}:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code)
+
+    return wrapper
+
+
+@app.command()
+@friendly
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    resume: Optional[bool] = typer.Option(
+        None, "--resume/--no-resume", help="Continue from the run's last checkpoint (default: automatic if one exists)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing run directory."),
+):
+    """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
+    from delft.recipe import load_recipe
+    from delft.train import run_training
+
+    cfg = load_recipe(recipe, set_)
+    run_training(cfg, resume=resume, force=force, console=console)
+
+
+@app.command("eval")
+@friendly
+def eval_(
+    targets: Optional[List[str]] = typer.Argument(None, help="[RECIPE.yaml] then run directories or merged models."),
+    model: Optional[str] = typer.Option(None, "--model", help="Base model (overrides the recipe's model.name)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Eval data source (file, hub id or 'synthetic')."),
+    format: Optional[str] = typer.Option(None, "--format", help="Format of --data (gsm8k, svamp, alpaca, ...)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate at most N problems."),
+    no_base: bool = typer.Option(False, "--no-base", help="Skip the base model column."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every metric and prediction here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of per-place digit accuracy."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+):
+    """Numeric accuracy of the base model and adapters, side by side."""
+    from delft.evaluate import run_eval
+
+    recipe, runs = _split_recipe(targets or [])
+    run_eval(recipe=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
+             include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console)
+
+
+@app.command("inspect")
+@friendly
+def inspect_(
+    targets: List[str] = typer.Argument(..., help="[RECIPE.yaml] [RUN_DIRS for --compare] PROMPT"),
+    model: Optional[str] = typer.Option(None, "--model", help="Base model (overrides the recipe's model.name)."),
+    adapter: Optional[str] = typer.Option(None, "--adapter", help="A run directory (adapter) or merged model."),
+    target: Optional[str] = typer.Option(None, "--target", help="Teacher-force this answer instead of generating."),
+    compare: bool = typer.Option(False, "--compare", help="Compare the run directories given before the prompt."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Generation budget for the greedy answer."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number shown here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a heatmap PNG (positions x digits)."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+):
+    """Per-digit probability tables for one prompt: where the model is sure, where it hesitates."""
+    from delft.inspect import run_inspect
+
+    *rest, prompt = targets
+    recipe, runs = _split_recipe(rest)
+    if runs and not compare:
+        raise UserError(f"unexpected arguments {runs}", fix="Use --adapter RUN, or --compare RUN_A RUN_B \"prompt\".")
+    if compare and not runs:
+        raise UserError("--compare needs run directories before the prompt", fix='e.g. --compare runs/ce runs/del "What is 17 * 23?"')
+    adapters = runs if compare else ([adapter] if adapter else [])
+    run_inspect(recipe=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
+                max_new_tokens=max_new_tokens, json_out=json_out, plot=plot, overrides=set_, console=console)
+
+
+@app.command()
+@friendly
+def export(
+    run: Path = typer.Argument(..., help="Run directory written by delft train."),
+    out: Path = typer.Option(..., "--out", help="Directory for the merged model (must not exist unless --force)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    match_training: bool = typer.Option(
+        False, "--match-training", help="Merge into nf4 round-tripped weights (what a QLoRA adapter was trained on)."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Max |logit difference| allowed in the check."),
+    device: str = typer.Option("cpu", "--device", help="Where to merge: cpu or cuda."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+):
+    """Merge an adapter into a standalone model and verify the merge."""
+    from delft.export import run_export
+
+    run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
+               device=device, force=force, console=console)
+
+
+@app.command()
+@friendly
+def compare(
+    recipes: List[Path] = typer.Argument(..., help="Recipes that differ only in their loss (recipes/compare/*.yaml)."),
+    seeds: List[int] = typer.Option([0], "--seed", help="Training seed(s) (repeatable)."),
+    out: Path = typer.Option(Path("results/compare"), "--out", help="Where the table, JSON and plot go."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+):
+    """Train what is missing, then evaluate the base model and every adapter side by side."""
+    from delft.compare import run_compare
+
+    run_compare(recipes=recipes, seeds=seeds, out=out, overrides=set_, console=console)
+
+
+@recipe_app.command("check")
+@friendly
+def recipe_check(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
+):
+    """Validate a recipe and print it with every default resolved."""
+    from rich.syntax import Syntax
+
+    from delft.recipe import dump_recipe, load_recipe
+
+    cfg = load_recipe(recipe, set_)
+    console.print(f"[green]ok[/] {recipe}: valid recipe")
+    console.print(Syntax(dump_recipe(cfg), "yaml", theme="ansi_dark", background_color="default"))
+    if plan:
+        from delft.plan import run_plan
+
+        run_plan(cfg, gpu_memory=gpu_memory, console=console)
+
+
+def _split_recipe(targets: list[str]) -> tuple[Optional[Path], list[str]]:
+    """The first argument is a recipe when it is a .yaml/.yml file; the rest are runs."""
+    if targets and targets[0].lower().endswith((".yaml", ".yml")):
+        return Path(targets[0]), list(targets[1:])
+    return None, list(targets)
+
+
+def main() -> None:
+    """Entry point: ``--debug`` may stand anywhere on the command line."""
+    global DEBUG
+    if "--debug" in sys.argv[1:]:
+        sys.argv.remove("--debug")
+        DEBUG = True
+    app()
+
+
+if __name__ == "__main__":
+    main()

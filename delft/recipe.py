@@ -1,0 +1,262 @@
+"""Recipes: one YAML file, typed sections, unknown keys rejected with a did-you-mean.
+
+The field descriptions below are the documentation (``delft recipe check`` prints the resolved values).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from delft.errors import UserError
+
+
+class Section(BaseModel):
+    # Typos must fail loudly ("quantizaton: 4bit" silently passing is a peer's bug we do not repeat).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str = Field("smollm2-135m", description="Hub id, local directory, .gguf file, or the alias 'smollm2-135m'.")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when present, else CPU.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights/compute dtype; 'auto' = bf16 on CUDA (fp16 if unsupported), fp32 on CPU.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off: it runs arbitrary code).")
+
+
+class QuantizationConfig(Section):
+    mode: Literal["auto", "nf4", "none"] = Field("auto", description="'auto' = nf4 on CUDA, none on CPU.")
+    double_quant: bool = Field(True, description="Quantise the nf4 scales too (saves ~0.4 bit/param).")
+    kbit_upcast: bool = Field(
+        False, description="Call peft's prepare_model_for_kbit_training (fp32 upcasts; costs much VRAM, see gpu.md).")
+
+
+class LoraConfig(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="'all-linear' (every linear projection except the output layer) or module names.")
+
+
+class SyntheticConfig(Section):
+    n: int = Field(2000, gt=0, description="Number of problems generated.")
+    seed: int = Field(0, description="Generator seed (eval uses a different one so sets are disjoint).")
+    ops: list[Literal["+", "-", "*", "/"]] = Field(["+", "-", "*", "/"], min_length=1, description="Operations.")
+    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits in an operand's integer part.")
+    max_digits: int = Field(3, ge=1, le=9, description="Most digits in an operand's integer part.")
+    decimal_fraction: float = Field(0.25, ge=0, le=1, description="Share of problems with decimal operands.")
+    negative_fraction: float = Field(0.15, ge=0, le=1, description="Share of operands that are negative.")
+
+    @model_validator(mode="after")
+    def _digits_order(self):
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) is larger than max_digits ({self.max_digits})")
+        return self
+
+
+class DataConfig(Section):
+    source: str = Field("synthetic", description="'synthetic', a local .jsonl/.json/.csv/.parquet file, or a hub id.")
+    format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic"] = Field(
+        "synthetic", description="How rows map to prompt and answer.")
+    split: str = Field("train", description="Split of a hub dataset.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of a hub dataset.")
+    template: Literal["auto", "chat", "plain"] = Field(
+        "auto", description="Prompt rendering: the tokenizer's chat template ('auto' uses it when present) or plain text.")
+    system_prompt: Optional[str] = Field(None, description="System message for chat templates.")
+    max_length: int = Field(256, gt=8, description="Tokens per example; longer examples are truncated (and counted).")
+    limit: Optional[int] = Field(None, gt=0, description="Use only the first N rows.")
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: completion only).")
+    val_size: float = Field(0.05, ge=0, description="Validation split: a fraction (<1) or a number of rows (>=1).")
+    packing: bool = Field(False, description="Pack short examples into rows (no attention across examples).")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="The built-in arithmetic source.")
+
+    @model_validator(mode="after")
+    def _source_format(self):
+        if (self.source == "synthetic") != (self.format == "synthetic"):
+            raise ValueError("source 'synthetic' goes with format 'synthetic' (and only it)")
+        return self
+
+
+class TrainConfig(Section):
+    max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training set (when max_steps is unset).")
+    batch_size: int = Field(8, gt=0, description="Examples per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (LoRA likes 1e-4..5e-4).")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up linearly.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 = off).")
+    seed: int = Field(0, description="Seeds the LoRA init, data order and dropout.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory).")
+    logging_steps: int = Field(5, gt=0, description="Steps between log lines (metrics.jsonl).")
+    eval_steps: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
+    save_steps: int = Field(100, gt=0, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept.")
+    loss_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk of the output layer (memory vs speed).")
+    fused_loss: Literal["auto", "on", "off"] = Field(
+        "auto", description="Liger's fused linear cross-entropy on CUDA with Triton; 'off' = pure-torch chunks.")
+
+
+class LossConfig(Section):
+    type: Literal["del", "ntl_was", "ntl_mse", "dist2", "ce"] = Field("del", description="The digit term added to CE.")
+    weight: Optional[float] = Field(
+        None, ge=0, description="lambda in CE + lambda * term; default per type (del 0.3, ntl 0.3, dist2 0.1).")
+    tau: float = Field(1.0, gt=0, description="dist2 only: width of the soft target exp(-(k-y)^2/tau).")
+
+    @model_validator(mode="after")
+    def _defaults(self):
+        if self.tau != 1.0 and self.type != "dist2":
+            raise ValueError(f"tau only applies to type 'dist2', not '{self.type}'")
+        if self.weight is None:
+            object.__setattr__(self, "weight", DEFAULT_WEIGHTS[self.type])
+        return self
+
+
+# delft normalises CE and the digit term each as a mean over the whole optimizer batch. The reference
+# (PolyU-VCLab/DEL) adds lambda=0.01 x a per-micro-batch mean to a CE already divided by the whole
+# accumulated batch, over 32 accumulation steps: an effective DEL:CE ratio of 32 x 0.01 = 0.32. We keep
+# that ratio (rounded) as our default. NTL's paper recommends 0.3; DIST2Loss uses alpha 0.1.
+DEFAULT_WEIGHTS = {"del": 0.3, "ntl_was": 0.3, "ntl_mse": 0.3, "dist2": 0.1, "ce": 0.0}
+
+
+class EvalConfig(Section):
+    data: Optional[DataConfig] = Field(
+        None, description="Eval set; default: the synthetic source with a seed disjoint from training.")
+    limit: Optional[int] = Field(200, gt=0, description="Evaluate at most N problems.")
+    max_new_tokens: int = Field(32, gt=0, description="Generation budget per answer.")
+    batch_size: int = Field(16, gt=0, description="Prompts generated together.")
+    bootstrap: int = Field(1000, ge=0, description="Bootstrap resamples for confidence intervals.")
+
+
+class OutputConfig(Section):
+    dir: str = Field("runs/quickstart", description="Run directory (relative to the current directory).")
+
+
+class Recipe(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def eval_data(self) -> DataConfig:
+        """The eval set: as given, or the training source with a disjoint synthetic seed."""
+        if self.eval.data is not None:
+            return self.eval.data
+        data = self.data.model_copy(deep=True)
+        data.synthetic = data.synthetic.model_copy(update={"seed": data.synthetic.seed + 1_000_003})
+        data.val_size = 0
+        return data
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.max_steps=50", "loss.type=ce"]`` -> nested dict; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--set {item!r} is not KEY=VALUE", fix="Write it as --set train.max_steps=50.")
+        key, _, raw = item.partition("=")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Valid keys of the section that holds ``loc`` (for did-you-mean)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        for cand in getattr(ann, "__args__", (ann,)):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+                break
+        else:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _describe(err: dict) -> str:
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(loc)
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+        return f"{key}: unknown key; {hint}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+        return f"{key}: {msg} (got {err['input']!r})"
+    return f"{key}: {msg}"
+
+
+def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"the recipe must be a mapping of sections, not {type(data).__name__}", where,
+                        "Start from recipes/quickstart.yaml.")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(_describe(err) for err in e.errors())
+        raise UserError(f"invalid recipe: {problems}.", where,
+                        "Fix the key(s) named above; `delft recipe check FILE` validates without running.") from None
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read, merge ``--set`` overrides, validate. ``path=None`` starts from the defaults."""
+    data: dict = {}
+    where = "command line"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", where,
+                            "Fix the YAML syntax (indentation, colons, quotes).") from None
+        if not isinstance(data, dict):
+            raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", where,
+                            "Start from recipes/quickstart.yaml.")
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+        where += " (with --set overrides)"
+    return validate_recipe(data, where)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
