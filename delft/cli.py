@@ -56,7 +56,8 @@ def train(
     from delft.train import run_training
 
     cfg = load_recipe(recipe, set_)
-    run_training(cfg, resume=resume, force=force, console=console)
+    again = " ".join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
+    run_training(cfg, resume=resume, force=force, console=console, resume_command=again)
 
 
 @app.command("eval")

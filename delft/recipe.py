@@ -229,7 +229,7 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as e:
         problems = "; ".join(_describe(err) for err in e.errors())
-        raise UserError(f"invalid recipe: {problems}.", where,
+        raise UserError(f"invalid recipe: {problems}", where,
                         "Fix the key(s) named above; `delft recipe check FILE` validates without running.") from None
 
 

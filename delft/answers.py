@@ -1,0 +1,405 @@
+"""Numeric answers: extraction from generated text, scoring against a gold number, and the eval metrics.
+
+Pure Python (no torch). The rules are documented in docs/eval.md; every rule here has a test in
+tests/test_answers.py.
+
+Extraction (:func:`extract_answer`) tries, in order, and the first rule that yields a number wins:
+
+1. ``"####"``      the first ``#### N`` (GSM8K's marker; first match, as lm-evaluation-harness' strict filter).
+2. ``"boxed"``     the last ``\\boxed{...}`` / ``\\fbox{...}`` (as Qwen2.5-Math) whose content is a plain number
+                   or fraction; ``"boxed_latex"`` when the content needed LaTeX parsing (``\\frac{1}{2}``,
+                   ``2\\sqrt{2}``), done by math-verify.
+3. ``"answer_is"`` the last "answer is N" / "answer: N" / "answer = N" (case-insensitive): the first number on
+                   the rest of that line (or a ``$...$`` LaTeX value right after the phrase, via math-verify).
+4. ``"last_number"`` the last number anywhere (lm-evaluation-harness' flexible filter).
+5. ``"none"``      no number at all: its own outcome, scored wrong everywhere and counted in the no-number rate.
+
+Before extracting, the text is cut at the first stop string (a run-on continuation such as "\\n\\nQuestion: ..."
+is ignored).
+
+A number is: an optional sign, an optional "$", digits with optional comma thousands groups ("1,234,567"; groups
+must be 3 digits), an optional decimal part, an optional "/denominator" (simple fractions, "3/4" = 0.75), and
+an optional "%" which is dropped (45% -> 45, not 0.45). A trailing sentence "." is not part of the number.
+The minus sign ("-", or the Unicode minus) must touch the number ("-3", "-$3", "$-3") and must not follow a
+digit, letter or closing bracket: "5-3" holds 5 and 3, "- 3" is 3. A number glued to a letter in front ("x2",
+"H2O") is not a number; scientific notation ("1e5", "2.5E-3") is not read and the whole token is skipped.
+European decimal commas ("1,5") and mixed numbers ("1 1/2") are not supported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation, localcontext
+from typing import Iterable, Optional, Sequence
+
+from delft.digits import digits_by_place, place_name
+
+RULES = ("####", "boxed", "boxed_latex", "answer_is", "last_number", "none")
+
+# Tolerance match (the DEL paper's / MAmmoTH's rule): integer gold needs round(pred) == gold, other gold a
+# relative error of at most 4 %.
+RELATIVE_TOLERANCE = Decimal("0.04")
+
+_MINUS = "-\u2212"
+# The number itself; group 'neg' is a sign, 'int'/'frac' the digits, 'den' a fraction's denominator.
+_NUMBER = re.compile(
+    r"""
+    (?<![\w.)\]}])                         # not glued to a word, a dot or a closing bracket in front
+    (?P<neg>[-\u2212])?                    # a sign touches the number ...
+    \$?
+    (?P<neg2>(?(neg)(?!)|[-\u2212]))?       # ... or stands after the "$" ("$-3")
+    (?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)? # 1,234,567 or 1234
+    (?:\.(?P<frac>\d+))?                   # .5 (a trailing "." is not taken)
+    (?:(?(frac)(?!)|\s*/\s*(?P<den>0*[1-9]\d*)(?![\d.,]\d)))?  # 3/4 (integers only, denominator not 0)
+    (?![eE][-+]?\d)                        # not scientific notation
+    """,
+    re.VERBOSE,
+)
+_SCIENTIFIC = re.compile(r"(?<![\w.])[-\u2212]?\d+(?:\.\d+)?[eE][-+]?\d+")
+_HASH = re.compile(r"####\s*")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_IS = re.compile(r"\banswer\b\s*(?:is\b|was\b|:|=)\s*:?", re.IGNORECASE)
+_LATEX_SEGMENT = re.compile(r"^\s*(?:\*\*)?\s*(\$\$?|\\\(|\\\[)(.+?)(?:\$\$?|\\\)|\\\])")
+
+# Cut points for run-on continuations. Plain prompts (base models) run on into the next problem; chat models
+# end their turn with an end-of-turn token, which generation already stops at (see evaluate.stop_strings).
+PLAIN_STOP_STRINGS = ("\n\n", "Question:", "\nQ:", "Problem:")
+CHAT_STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|im_start|>", "<|user|>", "</s>")
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """What was read from a generated text: the value (None = no number), the rule and the matched text."""
+
+    value: Optional[Decimal]
+    rule: str
+    text: Optional[str] = None
+
+    @property
+    def canonical(self) -> Optional[str]:
+        return None if self.value is None else canonical(self.value)
+
+
+# --------------------------------------------------------------------------------------------- numbers
+
+
+def canonical(value: Decimal) -> str:
+    """Plain notation, no exponent, no trailing fraction zeros, no "-0": 1.500 -> "1.5", 1E+2 -> "100"."""
+    if value == 0:
+        return "0"
+    text = format(value.normalize(), "f")
+    return text
+
+
+def _divide(num: Decimal, den: Decimal) -> Decimal:
+    with localcontext() as ctx:
+        ctx.prec = 28
+        return num / den
+
+
+def _from_match(m: re.Match) -> Decimal:
+    integer = (m.group("int") or "0").replace(",", "")
+    value = Decimal(integer + ("." + m.group("frac") if m.group("frac") is not None else ""))
+    if m.group("den") is not None:
+        value = _divide(value, Decimal(m.group("den")))
+    return -value if (m.group("neg") or m.group("neg2")) else value
+
+
+def _numbers(text: str) -> list[tuple[Decimal, re.Match]]:
+    """Every number in ``text`` with its match, left to right (rules in the module docstring)."""
+    masked = _SCIENTIFIC.sub(lambda s: " " * len(s.group(0)), text)  # keeps offsets
+    return [(_from_match(m), m) for m in _NUMBER.finditer(masked)
+            if m.group("int") is not None or m.group("frac") is not None]
+
+
+def parse_number(text: Optional[str]) -> Optional[Decimal]:
+    """The value of a text that is one number (gold answers, ``--set`` values): "1,234" -> 1234, "3/4" -> 0.75.
+
+    Surrounding whitespace, "$", "%" and a trailing "." are allowed; anything else -> None.
+    """
+    if text is None:
+        return None
+    s = str(text).strip().rstrip(".").strip()
+    s = s.replace("\\$", "$").replace("\\%", "%").rstrip("%").strip()
+    s = re.sub(r"\{,\}", ",", s)
+    if not s:
+        return None
+    found = _numbers(s)
+    if len(found) != 1:
+        try:  # "1E+2", "1e5" from a float's str(): gold answers may come from JSON floats
+            value = Decimal(s)
+            return value if value.is_finite() else None
+        except InvalidOperation:
+            return None
+    value, m = found[0]
+    rest = (s[: m.start()] + s[m.end():]).strip()
+    return value if rest in ("", "$") else None
+
+
+# ------------------------------------------------------------------------------------------ extraction
+
+
+def cut_at_stop(text: str, stops: Iterable[str] = PLAIN_STOP_STRINGS) -> str:
+    """``text`` up to the first stop string (the stop string itself removed)."""
+    cut = len(text)
+    for s in stops:
+        if s:
+            i = text.find(s)
+            if i != -1:
+                cut = min(cut, i)
+    return text[:cut]
+
+
+def _math_verify_number(latex: str) -> Optional[Decimal]:
+    """A LaTeX expression's numeric value via math-verify (None if it is not a finite number)."""
+    try:
+        from math_verify import parse
+        import sympy
+    except ImportError:  # pragma: no cover - math-verify is a dependency
+        return None
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        parsed = parse(latex, parsing_timeout=timeout)
+    except Exception:
+        return None
+    for expr in parsed:
+        if isinstance(expr, str) or not isinstance(expr, sympy.Basic) or not expr.is_number:
+            continue
+        try:
+            if expr.is_Rational:
+                return _divide(Decimal(int(expr.p)), Decimal(int(expr.q)))
+            value = sympy.N(expr, 30)
+            if not value.is_real:
+                continue
+            d = Decimal(str(value))
+            return d if d.is_finite() else None
+        except (TypeError, ValueError, InvalidOperation, AttributeError):
+            continue
+    return None
+
+
+def _balanced(text: str, open_at: int) -> Optional[str]:
+    """Content of the brace group whose "{" is at ``open_at`` (None when unbalanced)."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1: i]
+    return None
+
+
+def _strip_latex_number(content: str) -> str:
+    s = content.strip()
+    for a, b in (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\ ", ""), ("\\$", "$"), ("\\%", "%"), ("$", "")):
+        s = s.replace(a, b)
+    s = re.sub(r"^\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}$", r"\1", s.strip())
+    return s.strip()
+
+
+def _boxed(text: str) -> Optional[Extraction]:
+    starts = [m.end() - 1 for m in _BOXED.finditer(text)]
+    for open_at in reversed(starts):  # last box first
+        content = _balanced(text, open_at)
+        if content is None:
+            continue
+        value = parse_number(_strip_latex_number(content))
+        if value is not None:
+            return Extraction(value, "boxed", content)
+        value = _math_verify_number("\\boxed{" + content + "}")
+        if value is not None:
+            return Extraction(value, "boxed_latex", content)
+        inner = _numbers(_strip_latex_number(content))
+        if len(inner) == 1:  # "12 apples"
+            return Extraction(inner[0][0], "boxed", content)
+    return None
+
+
+def _hash(text: str) -> Optional[Extraction]:
+    for m in _HASH.finditer(text):
+        rest = text[m.end():].split("\n", 1)[0]
+        found = _numbers(rest)
+        if found and not rest[: found[0][1].start()].strip(" $*:\t"):
+            value, nm = found[0]
+            return Extraction(value, "####", nm.group(0).strip())
+    return None
+
+
+def _answer_is(text: str) -> Optional[Extraction]:
+    for m in reversed(list(_ANSWER_IS.finditer(text))):
+        rest = text[m.end():].split("\n", 1)[0]
+        latex = _LATEX_SEGMENT.match(rest)
+        found = _numbers(rest)
+        if latex and "\\" in latex.group(2) and (not found or found[0][1].start() > latex.start(2)):
+            value = _math_verify_number("$" + latex.group(2) + "$")
+            if value is not None:
+                return Extraction(value, "answer_is", latex.group(2))
+        if found:
+            value, nm = found[0]
+            return Extraction(value, "answer_is", nm.group(0).strip())
+    return None
+
+
+def extract_answer(text: str, stops: Iterable[str] = PLAIN_STOP_STRINGS) -> Extraction:
+    """The numeric answer in a generated text, and the rule that found it (see the module docstring)."""
+    text = cut_at_stop(text or "", stops)
+    for rule in (_hash, _boxed, _answer_is):
+        got = rule(text)
+        if got is not None:
+            return got
+    found = _numbers(text)
+    if found:
+        value, m = found[-1]
+        return Extraction(value, "last_number", m.group(0).strip())
+    return Extraction(None, "none", None)
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+
+
+def exact_match(pred: Optional[Decimal], gold: Decimal) -> bool:
+    """Numeric equality (Decimal): 1.000 == 1, 0.75 == 3/4; no number is wrong."""
+    return pred is not None and pred == gold
+
+
+def is_integer(value: Decimal) -> bool:
+    return value == value.to_integral_value()
+
+
+def tolerance_match(pred: Optional[Decimal], gold: Decimal) -> bool:
+    """The DEL paper's rule: integer gold needs round(pred) == gold (half to even, as Python's round);
+    other gold needs |pred - gold| <= 4 % of |gold|. No number is wrong."""
+    if pred is None:
+        return False
+    if is_integer(gold):
+        return pred.quantize(Decimal(1), rounding=ROUND_HALF_EVEN) == gold
+    return abs(pred - gold) <= RELATIVE_TOLERANCE * abs(gold)
+
+
+def place_correct(pred: Optional[Decimal], gold: Decimal) -> dict[int, bool]:
+    """For each digit place of the gold number (canonical form, sign dropped): is the prediction's digit there
+    the same? A place the prediction lacks is wrong; no number is wrong at every place."""
+    gold_digits = digits_by_place(canonical(gold))
+    pred_digits = digits_by_place(canonical(pred)) if pred is not None else {}
+    return {p: pred_digits.get(p) == d for p, d in gold_digits.items()}
+
+
+def signed_log(value: Decimal) -> float:
+    """sign(x) * log10(|x| + 1)."""
+    if value == 0:
+        return 0.0
+    magnitude = float((abs(value) + 1).log10())
+    return magnitude if value > 0 else -magnitude
+
+
+@dataclass
+class Scored:
+    """One prediction against its gold answer."""
+
+    gold: Decimal
+    extraction: Extraction
+    exact: bool = False
+    tolerance: bool = False
+    places: dict[int, bool] = field(default_factory=dict)
+
+    @property
+    def has_number(self) -> bool:
+        return self.extraction.value is not None
+
+
+def score(extraction: Extraction, gold: Decimal) -> Scored:
+    pred = extraction.value
+    return Scored(gold, extraction, exact_match(pred, gold), tolerance_match(pred, gold), place_correct(pred, gold))
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def bootstrap_ci(flags: Sequence[bool | float], resamples: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> Optional[tuple[float, float]]:
+    """Percentile bootstrap interval of the mean of ``flags``; None when empty or resamples == 0.
+
+    The resample indices depend only on (len(flags), resamples, seed), so two models scored on the same set
+    get the same resamples (a paired comparison)."""
+    import numpy as np
+
+    n = len(flags)
+    if n == 0 or resamples <= 0:
+        return None
+    values = np.asarray(flags, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    chunk = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at once
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = values[idx].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def paired_difference(a: Sequence[bool], b: Sequence[bool], resamples: int = 1000, seed: int = 0,
+                      level: float = 0.95) -> dict:
+    """mean(b) - mean(a) and its paired bootstrap interval (same problems resampled for both)."""
+    if len(a) != len(b):
+        raise ValueError("paired_difference needs the same problems for both models")
+    diff = [float(y) - float(x) for x, y in zip(a, b)]
+    ci = bootstrap_ci(diff, resamples, seed, level)
+    return {"difference": sum(diff) / len(diff) if diff else None, "ci": list(ci) if ci else None}
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(scored: Sequence[Scored], resamples: int = 1000, seed: int = 0) -> dict:
+    """Every metric of one model over a list of scored predictions (rates in [0, 1]; None where undefined)."""
+    n = len(scored)
+    exact = [s.exact for s in scored]
+    tol = [s.tolerance for s in scored]
+    with_number = [s for s in scored if s.has_number]
+    abs_err = [float(abs(s.extraction.value - s.gold)) for s in with_number]
+    log_err = [abs(signed_log(s.extraction.value) - signed_log(s.gold)) for s in with_number]
+    per_place: dict[int, list[bool]] = {}
+    for s in scored:
+        for p, ok in s.places.items():
+            per_place.setdefault(p, []).append(ok)
+    all_places = [ok for s in scored for ok in s.places.values()]
+    rules = {r: 0 for r in RULES}
+    for s in scored:
+        rules[s.extraction.rule] = rules.get(s.extraction.rule, 0) + 1
+    ci = bootstrap_ci(exact, resamples, seed)
+    tci = bootstrap_ci(tol, resamples, seed)
+    return {
+        "n": n,
+        "exact_match": _mean(exact),
+        "exact_match_ci": list(ci) if ci else None,
+        "tolerance_match": _mean(tol),
+        "tolerance_match_ci": list(tci) if tci else None,
+        "no_number_rate": (n - len(with_number)) / n if n else None,
+        "n_with_number": len(with_number),
+        "mae": _mean(abs_err),
+        "log_mae": _mean(log_err),
+        "digit_accuracy": _mean(all_places),
+        "per_place": {
+            place_name(p): {"place": p, "accuracy": _mean(v), "n": len(v)}
+            for p, v in sorted(per_place.items(), key=lambda kv: -kv[0])
+        },
+        "rules": rules,
+        "bootstrap": {"resamples": resamples, "seed": seed, "level": 0.95},
+    }
+
+
+def place_order(places: Iterable[int]) -> list[int]:
+    """Highest integer place first, then tenths, hundredths, ..."""
+    return sorted(set(places), key=lambda p: -p)
+
+
+def finite(x: Optional[float]) -> bool:
+    return x is not None and not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))

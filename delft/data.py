@@ -1,0 +1,380 @@
+"""Data: sources (files, hub, synthetic) -> Examples -> token ids with completion-only labels -> batches."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from delft.errors import UserError
+
+IGNORE = -100
+LOCAL_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+@dataclass
+class Example:
+    prompt: Union[str, list[dict]]  # text, or chat messages up to (not including) the answer
+    completion: str  # what the model learns to produce
+    answer: Optional[str] = None  # numeric gold as text, for eval
+    row: int = 0  # row in the source (for error messages)
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def format_number(value: Decimal) -> str:
+    """Plain decimal text without exponent or trailing zeros: Decimal('1.50') -> '1.5', -0 -> '0'."""
+    text = format(value, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+# ----------------------------------------------------------------------------- synthetic arithmetic
+
+
+def _operand(rng: random.Random, cfg, decimals: int) -> Decimal:
+    digits = rng.randint(cfg.min_digits, cfg.max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    value = Decimal(rng.randint(low, 10**digits - 1))
+    if decimals:
+        value += Decimal(rng.randint(1, 10**decimals - 1)) / Decimal(10**decimals)
+    if rng.random() < cfg.negative_fraction:
+        value = -value
+    return value
+
+
+def synthetic_examples(cfg) -> list[Example]:
+    """Seeded arithmetic problems with exact answers (division is generated from its quotient)."""
+    rng = random.Random(cfg.seed)
+    out = []
+    for i in range(cfg.n):
+        op = rng.choice(cfg.ops)
+        decimals = rng.choice([1, 2]) if rng.random() < cfg.decimal_fraction else 0
+        a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0)
+        if op == "/":
+            b = b if b != 0 else Decimal(rng.randint(1, 9))
+            q = _operand(rng, cfg, decimals)
+            a = b * q
+        result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
+        question = f"What is {format_number(a)} {op} {format_number(b)}?"
+        answer = format_number(result)
+        out.append(Example(question, answer, answer, i))
+    return out
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+
+def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
+    """Rows as dicts and a label for messages ("data.jsonl")."""
+    source = cfg.source
+    path = Path(source).expanduser()
+    if path.suffix.lower() in LOCAL_LOADERS or path.exists():
+        if not path.is_file():
+            raise UserError(f"data file {source} does not exist", f"{where}.source", "Check the path.")
+        if path.stat().st_size == 0:
+            raise UserError(f"data file {source} is empty", f"{where}.source", "Give a file with at least one row.")
+        if cfg.format == "svamp" or (path.suffix.lower() == ".json" and _is_json_list(path)):
+            try:
+                rows = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise UserError(f"{source} is not valid JSON (line {e.lineno}: {e.msg})", f"{where}.source",
+                                "Fix the file.") from None
+            if not isinstance(rows, list):
+                raise UserError(f"{source} must hold a JSON list of objects", f"{where}.source", "Fix the file.")
+            return rows, path.name
+        if path.suffix.lower() == ".jsonl":
+            return _read_jsonl(path), path.name
+        loader = LOCAL_LOADERS.get(path.suffix.lower())
+        if loader is None:
+            raise UserError(f"unsupported data file type {path.suffix!r}", f"{where}.source",
+                            "Use .jsonl, .json, .csv or .parquet.")
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(loader, data_files=str(path), split="train")
+        except Exception as e:  # datasets wraps parser errors in many types
+            raise UserError(f"could not read {source}: {str(e).splitlines()[0]}", f"{where}.source",
+                            "Check the file's format.") from None
+        return [dict(r) for r in ds], path.name
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        return _load_hub_rows(cfg, where), source
+    raise UserError(f"data source {source!r} is neither a file nor a hub id", f"{where}.source",
+                    "Give a .jsonl/.json/.csv/.parquet path, a hub id (org/name) or 'synthetic'.")
+
+
+def _is_json_list(path: Path) -> bool:
+    with open(path) as f:
+        head = f.read(256).lstrip()
+    return head.startswith("[")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", "data.source",
+                                "Fix or remove that line.") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path.name} row {lineno} is not a JSON object", "data.source", "Fix that line.")
+            rows.append(row)
+    if not rows:
+        raise UserError(f"data file {path} has no rows", "data.source", "Give a file with at least one row.")
+    return rows
+
+
+def _load_hub_rows(cfg, where: str) -> list[dict]:
+    import os
+
+    import datasets
+
+    from delft.models import _hub_reachable
+
+    if os.environ.get("HF_DATASETS_OFFLINE") != "1" and os.environ.get("HF_HUB_OFFLINE") != "1" \
+            and not _hub_reachable():
+        os.environ["HF_DATASETS_OFFLINE"] = "1"  # use the local cache only; fail fast instead of retrying
+    try:
+        ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split)
+    except Exception as e:
+        raise UserError(f"could not load hub dataset {cfg.source!r} (split {cfg.split!r}): "
+                        f"{str(e).splitlines()[0][:200]}", f"{where}.source",
+                        "Without network, download it elsewhere and point data.source at a local file.") from None
+    return [dict(r) for r in ds]
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def _field(row: dict, name: str, label: str, i: int, where: str, required: bool = True) -> Any:
+    if name not in row or row[name] is None:
+        if not required:
+            return None
+        raise UserError(f"{label} row {i + 1} has no {name!r} field (fields: {', '.join(map(str, row))})",
+                        f"{where}.format", "Check data.format, or fix the row.")
+    return row[name]
+
+
+def _gsm8k_answer(text: str, label: str, i: int, where: str) -> str:
+    m = re.search(r"####\s*(-?[\d,]*\.?\d+)\s*$", text.strip())
+    if not m:
+        raise UserError(f"{label} row {i + 1}: 'answer' does not end with '#### NUMBER'", f"{where}.format",
+                        "Use format prompt_completion for other data.")
+    return format_number(Decimal(m.group(1).replace(",", "")))
+
+
+def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data") -> Example:
+    if fmt == "prompt_completion":
+        prompt, completion = _field(row, "prompt", label, i, where), _field(row, "completion", label, i, where)
+        answer = row.get("answer")
+        return Example(str(prompt), str(completion), None if answer is None else str(answer), i)
+    if fmt == "alpaca":
+        instruction, output = _field(row, "instruction", label, i, where), _field(row, "output", label, i, where)
+        extra = row.get("input") or ""
+        prompt = (ALPACA_PROMPT_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra)
+        return Example(prompt, str(output), None, i)
+    if fmt == "gsm8k":
+        question, answer = _field(row, "question", label, i, where), _field(row, "answer", label, i, where)
+        completion = re.sub(r"<<[^>]*>>", "", str(answer))  # calculator annotations are not language
+        return Example(str(question), completion, _gsm8k_answer(str(answer), label, i, where), i)
+    if fmt == "svamp":
+        body, question = _field(row, "Body", label, i, where), _field(row, "Question", label, i, where)
+        value = _field(row, "Answer", label, i, where)
+        answer = format_number(Decimal(str(value)))
+        return Example(f"{str(body).strip()} {str(question).strip()}", answer, answer, i)
+    if fmt == "chat":
+        messages = _field(row, "messages", label, i, where)
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise UserError(f"{label} row {i + 1}: 'messages' must be a list of {{role, content}} objects",
+                            f"{where}.format", "Fix the row.")
+        if messages[-1]["role"] != "assistant":
+            raise UserError(f"{label} row {i + 1}: the last message must be the assistant's answer",
+                            f"{where}.format", "Only the last assistant turn is trained on.")
+        return Example(list(messages[:-1]), str(messages[-1]["content"]), row.get("answer"), i)
+    raise UserError(f"unknown data format {fmt!r}", f"{where}.format", "See delft recipe check for the choices.")
+
+
+def load_examples(cfg, where: str = "data") -> list[Example]:
+    if cfg.format == "synthetic":
+        examples = synthetic_examples(cfg.synthetic)
+    else:
+        rows, label = _load_rows(cfg, where)
+        if cfg.limit:
+            rows = rows[: cfg.limit]
+        examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows)]
+    if cfg.limit:
+        examples = examples[: cfg.limit]
+    if not examples:
+        raise UserError("the data source gave no examples", f"{where}.source", "Check the file and data.limit.")
+    return examples
+
+
+# ----------------------------------------------------------------------------- prompts and tokens
+
+
+def use_chat_template(tokenizer, cfg) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.template == "chat" and not has:
+        raise UserError("data.template is 'chat' but the tokenizer has no chat template", "data.template",
+                        "Use template: plain (or auto).")
+    return cfg.format == "chat" or (cfg.template != "plain" and has)
+
+
+def _messages(example: Example, cfg) -> list[dict]:
+    msgs = list(example.prompt) if isinstance(example.prompt, list) else [{"role": "user", "content": example.prompt}]
+    if cfg.system_prompt and not any(m["role"] == "system" for m in msgs):
+        msgs.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return msgs
+
+
+def render_prompt(example: Example, tokenizer, cfg) -> str:
+    """The exact text the answer continues (chat template applied when configured)."""
+    if use_chat_template(tokenizer, cfg):
+        return tokenizer.apply_chat_template(_messages(example, cfg), tokenize=False, add_generation_prompt=True)
+    if isinstance(example.prompt, list):
+        return "\n".join(m["content"] for m in example.prompt) + "\n"
+    prompt = example.prompt
+    return prompt if prompt.endswith(("\n", " ")) else prompt + "\n"
+
+
+def render_pair(example: Example, tokenizer, cfg) -> tuple[str, str]:
+    """(prompt text, completion text including the end-of-turn / EOS the model must learn)."""
+    prompt = render_prompt(example, tokenizer, cfg)
+    if use_chat_template(tokenizer, cfg):
+        full = tokenizer.apply_chat_template(
+            _messages(example, cfg) + [{"role": "assistant", "content": example.completion}], tokenize=False)
+        if full.startswith(prompt):
+            return prompt, full[len(prompt):]
+    return prompt, example.completion + (tokenizer.eos_token or "")
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool = False
+
+
+def tokenize_example(example: Example, tokenizer, cfg) -> Tokenized:
+    """Prompt and completion are tokenized apart so the mask boundary is exact."""
+    prompt, completion = render_pair(example, tokenizer, cfg)
+    p_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) and \
+            (not p_ids or p_ids[0] != tokenizer.bos_token_id):
+        p_ids = [tokenizer.bos_token_id] + p_ids
+    c_ids = tokenizer.encode(completion, add_special_tokens=False)
+    ids = p_ids + c_ids
+    labels = (list(p_ids) if cfg.train_on_prompt else [IGNORE] * len(p_ids)) + list(c_ids)
+    truncated = len(ids) > cfg.max_length
+    return Tokenized(ids[: cfg.max_length], labels[: cfg.max_length], truncated)
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    train: int = 0
+    val: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+    digit_labels: int = 0
+    truncated: int = 0
+    fully_masked: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def build_datasets(cfg, tokenizer, seed: int, digit_ids: Optional[set] = None, where: str = "data"):
+    """Tokenize every example, drop (and count) ones with no trainable label, split off validation."""
+    examples = load_examples(cfg, where)
+    stats = DataStats(examples=len(examples))
+    items = []
+    for ex in examples:
+        tok = tokenize_example(ex, tokenizer, cfg)
+        stats.truncated += tok.truncated
+        n_labels = sum(1 for t in tok.labels if t != IGNORE)
+        if n_labels == 0:
+            stats.fully_masked += 1
+            continue
+        stats.tokens += len(tok.input_ids)
+        stats.label_tokens += n_labels
+        if digit_ids:
+            stats.digit_labels += sum(1 for t in tok.labels if t in digit_ids)
+        items.append(tok)
+    if not items:
+        raise UserError(
+            f"every one of the {len(examples)} examples has all its labels masked (nothing to learn), e.g. prompts "
+            f"longer than data.max_length={cfg.max_length} or empty completions", f"{where}.source",
+            "Raise data.max_length, check the completion field, or set data.train_on_prompt: true.")
+    rng = random.Random(seed)
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    n_val = int(round(cfg.val_size * len(items))) if cfg.val_size < 1 else int(cfg.val_size)
+    n_val = min(n_val, len(items) - 1)
+    val = [items[i] for i in order[:n_val]]
+    train = [items[i] for i in order[n_val:]]
+    stats.train, stats.val = len(train), len(val)
+    return train, val, stats
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def collate(items: list[Tokenized], pad_id: int) -> dict:
+    """Right-padded batch. Labels stay aligned with input_ids (the loss shifts them)."""
+    import torch
+
+    width = max(len(t.input_ids) for t in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, t in enumerate(items):
+        n = len(t.input_ids)
+        ids[i, :n] = torch.tensor(t.input_ids)
+        labels[i, :n] = torch.tensor(t.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_packed(items: list[Tokenized], pad_id: int, row_length: int) -> dict:
+    """Examples laid end to end in rows; position ids restart per example so attention stays inside it.
+
+    transformers builds a block-diagonal causal mask from restarting position_ids when no attention_mask is
+    given. The first label of every example is masked, so no target and no digit run crosses a boundary.
+    """
+    import torch
+
+    rows: list[list[Tokenized]] = []
+    for t in items:
+        if rows and sum(len(x.input_ids) for x in rows[-1]) + len(t.input_ids) <= row_length:
+            rows[-1].append(t)
+        else:
+            rows.append([t])
+    width = max(sum(len(x.input_ids) for x in r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        at = 0
+        for t in r:
+            n = len(t.input_ids)
+            ids[i, at:at + n] = torch.tensor(t.input_ids)
+            lab = list(t.labels)
+            lab[0] = IGNORE
+            labels[i, at:at + n] = torch.tensor(lab)
+            pos[i, at:at + n] = torch.arange(n)
+            at += n
+        if at < width:  # padding continues as its own "example"
+            pos[i, at:] = torch.arange(width - at)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
