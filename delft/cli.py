@@ -25,11 +25,28 @@ DEBUG = os.environ.get("DELFT_DEBUG") == "1"
 SET_HELP = "Override a recipe key, e.g. --set train.max_steps=50 (repeatable)."
 
 
+def quiet_libraries() -> None:
+    """delft prints what matters itself; library progress bars and advisories drown it (--debug keeps them)."""
+    if DEBUG:
+        return
+    import logging
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm >= 4.66 reads TQDM_* overrides
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(peft|transformers|torch)\..*")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "kernels-community" advisory on CPU
+
+
 def friendly(fn):
     """User mistakes -> one red paragraph and exit 2; failed verifications -> exit 1. --debug re-raises."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        quiet_libraries()
         try:
             return fn(*args, **kwargs)
         except (UserError, VerificationError) as e:

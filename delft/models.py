@@ -40,6 +40,12 @@ class ModelRef:
     is_local: bool
     note: str = ""  # said to the user ("converted from GGUF", ...)
 
+    def portable_name(self) -> str:
+        """What a run records as its base: aliases and hub ids as written, local paths made absolute."""
+        if self.name == SMOLLM2_ALIAS or not Path(self.name).expanduser().exists():
+            return self.name
+        return str(Path(self.name).expanduser().resolve())
+
 
 def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
     if name == SMOLLM2_ALIAS:

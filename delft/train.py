@@ -380,7 +380,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
         start = load_checkpoint(ckpt, model, optimizer, scheduler)
         _truncate_metrics(metrics_path, start)
     write_atomic(run_dir / "recipe.yaml", dump_recipe(recipe))
-    info = {"status": "running", "base_model": recipe.model.name, "base_model_path": s.model_ref.path,
+    info = {"status": "running", "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
             "architecture": architecture(model.get_base_model().config), "quantization": s.quantization,
             "loss": recipe.loss.type, "loss_weight": recipe.loss.weight, "step": start,
             "total_steps": plan.total_steps, "data": asdict(s.stats)}
