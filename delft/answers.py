@@ -1,6 +1,6 @@
 """Numeric answers: extraction from generated text, scoring against a gold number, and the eval metrics.
 
-Pure Python (no torch). The rules are documented in docs/eval.md; every rule here has a test in
+No torch here (numpy for the bootstrap, math-verify only for LaTeX). The rules are documented in docs/eval.md; every rule here has a test in
 tests/test_answers.py.
 
 Extraction (:func:`extract_answer`) tries, in order, and the first rule that yields a number wins:
@@ -14,8 +14,8 @@ Extraction (:func:`extract_answer`) tries, in order, and the first rule that yie
 4. ``"last_number"`` the last number anywhere (lm-evaluation-harness' flexible filter).
 5. ``"none"``      no number at all: its own outcome, scored wrong everywhere and counted in the no-number rate.
 
-Before extracting, the text is cut at the first stop string (a run-on continuation such as "\\n\\nQuestion: ..."
-is ignored).
+Before extracting, the text is cut at the first stop string after its leading whitespace (a run-on
+continuation such as "\\n\\nQuestion: ..." is ignored).
 
 A number is: an optional sign, an optional "$", digits with optional comma thousands groups ("1,234,567"; groups
 must be 3 digits), an optional decimal part, an optional "/denominator" (simple fractions, "3/4" = 0.75), and
@@ -28,7 +28,6 @@ European decimal commas ("1,5") and mixed numbers ("1 1/2") are not supported.
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -43,17 +42,21 @@ RULES = ("####", "boxed", "boxed_latex", "answer_is", "last_number", "none")
 # relative error of at most 4 %.
 RELATIVE_TOLERANCE = Decimal("0.04")
 
-_MINUS = "-\u2212"
-# The number itself; group 'neg' is a sign, 'int'/'frac' the digits, 'den' a fraction's denominator.
+# A number: 'neg'/'neg2' a sign, 'int' and 'frac'/'ffrac' the digits, 'den' a fraction's denominator.
 _NUMBER = re.compile(
     r"""
-    (?<![\w.)\]}])                         # not glued to a word, a dot or a closing bracket in front
+    (?<![\w)\]}])(?<!\d\.)                 # not glued to a word, a closing bracket or "1." in front
     (?P<neg>[-\u2212])?                    # a sign touches the number ...
     \$?
     (?P<neg2>(?(neg)(?!)|[-\u2212]))?       # ... or stands after the "$" ("$-3")
-    (?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)? # 1,234,567 or 1234
-    (?:\.(?P<frac>\d+))?                   # .5 (a trailing "." is not taken)
-    (?:(?(frac)(?!)|\s*/\s*(?P<den>0*[1-9]\d*)(?![\d.,]\d)))?  # 3/4 (integers only, denominator not 0)
+    (?:
+        (?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)   # 1,234,567 or 1234
+        (?:
+            \.(?P<frac>\d+)                      # 12.5 (a trailing "." is not taken)
+          | \s*/\s*(?P<den>0*[1-9]\d*)(?![\d.,]\d)  # 3/4: integers only, denominator not 0
+        )?
+      | (?<![.\d])\.(?P<ffrac>\d+)         # .5 (not the ".3" of "1.2.3", not after "...")
+    )
     (?![eE][-+]?\d)                        # not scientific notation
     """,
     re.VERBOSE,
@@ -102,7 +105,8 @@ def _divide(num: Decimal, den: Decimal) -> Decimal:
 
 def _from_match(m: re.Match) -> Decimal:
     integer = (m.group("int") or "0").replace(",", "")
-    value = Decimal(integer + ("." + m.group("frac") if m.group("frac") is not None else ""))
+    frac = m.group("frac") if m.group("frac") is not None else m.group("ffrac")
+    value = Decimal(integer + ("." + frac if frac is not None else ""))
     if m.group("den") is not None:
         value = _divide(value, Decimal(m.group("den")))
     return -value if (m.group("neg") or m.group("neg2")) else value
@@ -112,7 +116,7 @@ def _numbers(text: str) -> list[tuple[Decimal, re.Match]]:
     """Every number in ``text`` with its match, left to right (rules in the module docstring)."""
     masked = _SCIENTIFIC.sub(lambda s: " " * len(s.group(0)), text)  # keeps offsets
     return [(_from_match(m), m) for m in _NUMBER.finditer(masked)
-            if m.group("int") is not None or m.group("frac") is not None]
+            if m.group("int") is not None or m.group("ffrac") is not None]
 
 
 def parse_number(text: Optional[str]) -> Optional[Decimal]:
@@ -143,11 +147,13 @@ def parse_number(text: Optional[str]) -> Optional[Decimal]:
 
 
 def cut_at_stop(text: str, stops: Iterable[str] = PLAIN_STOP_STRINGS) -> str:
-    """``text`` up to the first stop string (the stop string itself removed)."""
+    """``text`` up to the first stop string (which is dropped). Stop strings inside the leading whitespace do
+    not count, so an answer that starts with a blank line is not cut to nothing."""
+    body = len(text) - len(text.lstrip())
     cut = len(text)
     for s in stops:
         if s:
-            i = text.find(s)
+            i = text.find(s, body)
             if i != -1:
                 cut = min(cut, i)
     return text[:cut]
@@ -400,6 +406,3 @@ def place_order(places: Iterable[int]) -> list[int]:
     """Highest integer place first, then tenths, hundredths, ..."""
     return sorted(set(places), key=lambda p: -p)
 
-
-def finite(x: Optional[float]) -> bool:
-    return x is not None and not (isinstance(x, float) and (math.isnan(x) or math.isinf(x)))

@@ -47,6 +47,7 @@ def build_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        initializer_range=0.2,  # the default 0.02 makes logits ~0.1: nothing for a few LoRA steps to move
     )
     return LlamaForCausalLM(config)
 

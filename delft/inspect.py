@@ -1,0 +1,636 @@
+"""``delft inspect``: the model's distribution over the ten digits at every digit of one answer.
+
+Three separate pieces, so each can be tested on its own:
+
+* :func:`compute_records` -- pure computation: (model, tokenizer, prompt text, answer token ids) -> one
+  :class:`PositionRecord` per answer token, from ONE teacher-forced forward pass that keeps only the answer
+  positions' logits (``logits_to_keep``; or the decoder's hidden rows times the output layer for models
+  without it). Places come from :mod:`delft.digits` (the same rules as the losses).
+* :func:`render_tables` -- rich Tables (one per number in the answer; with several models, one sub-row per model).
+* :func:`write_plot` -- a heatmap PNG (digit positions x digits, one panel per model).
+
+:func:`run_inspect` ties them together for the CLI: loads each model in turn (one in memory at a time), picks the
+answer (``--target`` or the first model's greedy answer) and writes ``--json`` / ``--plot``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rich import box
+from rich.color import Color
+from rich.console import Console
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+from delft import __version__
+from delft.digits import DIGITS, RUN_CHARS, DigitVocab, place_name, run_places
+from delft.errors import UserError
+
+PURPOSE = "per-digit inspection"
+# "391", "-3.5", "1,234", "+0.25", ".5": an optional sign, digits (comma groups of 3 allowed), a decimal part.
+TARGET_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+LEGEND = ("cells: P(digit | the next token is a digit) in %, [n] = the answer's digit, '·' < 0.5 %; "
+          "entropy: over the ten digits, in bits; P(digits): full-vocabulary probability that the next token "
+          "is a digit at all; p(token): full-vocabulary probability of the answer's token; argmax: the model's "
+          "top token where it differs from the answer's.")
+
+
+# ------------------------------------------------------------------------------------------- records
+
+
+@dataclass
+class PositionRecord:
+    """What the model predicted at one answer position (every number here is also in the JSON)."""
+
+    index: int  # position in the answer's tokens
+    token_id: int
+    token: str  # the vocabulary piece ("Ġ3", "▁", "3")
+    text: str  # the token decoded
+    char: Optional[str]  # '0'..'9' or '.' when the token is a digit or the dot, else None
+    kind: Optional[str]  # "digit", "point" (a decimal point inside a number) or None (not shown)
+    number: Optional[int]  # which number of the answer (0-based) for digit and point rows
+    place: Optional[int]  # delft.digits place: 1 = units, 2 = tens, -1 = tenths, ...
+    place_name: Optional[str]
+    probs: list[float]  # over the ten digits '0'..'9', conditional on the next token being a digit (sum 1)
+    digit_logprobs: list[float]  # full-vocabulary log-probabilities of the ten digit tokens
+    entropy: float  # of ``probs``, bits
+    digit_mass: float  # full-vocabulary probability of the ten digit tokens together
+    token_prob: float  # full-vocabulary probability of this answer token
+    digit: Optional[int]  # the answer's digit here (None for non-digits)
+    argmax_digit: int
+    top_token_id: int  # full-vocabulary argmax
+    top_token: str  # ... decoded
+    top_token_prob: float
+    top_digit: Optional[int]  # the argmax's digit when the argmax is a digit token, else None
+
+
+@dataclass
+class Number:
+    """One number of the answer: its text and its shown rows (digits and decimal points, in order)."""
+
+    index: int
+    text: str
+    rows: list[PositionRecord]
+
+
+def check_target(target: str) -> str:
+    """The target stripped of surrounding spaces; a UserError unless it is one plain number."""
+    text = str(target).strip()
+    if not TARGET_RE.fullmatch(text):
+        raise UserError(f"target is not a number: {target!r}", "--target",
+                        'Give the answer as a plain number, e.g. --target 391, --target -3.5 or --target 1,234.')
+    return text
+
+
+def prompt_ids(tokenizer, prompt_text: str) -> list[int]:
+    """Token ids of a rendered prompt exactly as training builds them (delft.data.tokenize_example)."""
+    ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) and \
+            (not ids or ids[0] != tokenizer.bos_token_id):
+        ids = [tokenizer.bos_token_id] + ids
+    return ids
+
+
+def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) -> set[int]:
+    """Positions of ',' between a digit and exactly three digits ("1,234"): skipped so places count by value."""
+    out = set()
+    n = len(chars)
+    for i, t in enumerate(texts):
+        if t == "," and 0 < i and chars[i - 1] in DIGITS and i + 3 < n \
+                and all(chars[i + k] is not None and chars[i + k] in DIGITS for k in (1, 2, 3)) \
+                and (i + 4 >= n or chars[i + 4] is None or chars[i + 4] not in DIGITS):
+            out.add(i)
+    return out
+
+
+def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: DigitVocab):
+    """(kind, number, place) per position, places from delft.digits.run_places.
+
+    Thousands separators are dropped before the run rules apply, so "1,234" is one number whose '1' is the
+    thousands digit. A '.' is shown (kind "point") when it stands inside a number with a digit after it; a
+    trailing sentence dot ("391.") or a run of dots is not.
+    """
+    chars = [vocab.char_of(int(t)) for t in token_ids]
+    keep = [i for i in range(len(chars)) if i not in _thousands_separators(chars, texts)]
+    kept_chars = [chars[i] for i in keep]
+    kept_places = run_places(kept_chars)
+    n = len(chars)
+    kind: list[Optional[str]] = [None] * n
+    number: list[Optional[int]] = [None] * n
+    place: list[Optional[int]] = [None] * n
+    count = 0
+    j = 0
+    while j < len(keep):
+        if kept_chars[j] is None or kept_chars[j] not in RUN_CHARS:
+            j += 1
+            continue
+        end = j
+        while end < len(keep) and kept_chars[end] is not None and kept_chars[end] in RUN_CHARS:
+            end += 1
+        run = range(j, end)
+        if any(kept_chars[k] in DIGITS for k in run):
+            for k in run:
+                i = keep[k]
+                if kept_chars[k] in DIGITS:
+                    kind[i], number[i], place[i] = "digit", count, kept_places[k]
+                elif k > j and any(kept_chars[m] in DIGITS for m in range(k + 1, end)):
+                    kind[i], number[i] = "point", count
+            count += 1
+        j = end
+    return kind, number, place
+
+
+def _answer_logits(model, input_ids, n_keep: int):
+    """Logits of the last ``n_keep`` positions only ([n_keep, vocab], float32)."""
+    import inspect as pyinspect
+
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = pyinspect.signature(base.forward).parameters
+    with torch.inference_mode():
+        for name in ("logits_to_keep", "num_logits_to_keep"):
+            if name in params:
+                out = model(input_ids=input_ids, use_cache=False, **{name: n_keep})
+                return out.logits[0, -n_keep:].float()
+        from delft.models import decoder_and_head
+
+        decoder, head = decoder_and_head(model)
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state[0, -n_keep:]
+        return head(hidden).float()
+
+
+def _digit(char: Optional[str]) -> Optional[int]:
+    return int(char) if char is not None and char in DIGITS else None
+
+
+def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int],
+                    vocab: Optional[DigitVocab] = None) -> list[PositionRecord]:
+    """One record per answer token, from one teacher-forced pass over prompt + answer.
+
+    The input is the prompt and the answer without its last token; the logits of the last ``len(answer)``
+    positions predict the answer's tokens, and only those rows are computed beyond the hidden states.
+    """
+    import torch
+
+    vocab = vocab or DigitVocab.from_tokenizer(tokenizer, PURPOSE)
+    answer_ids = [int(t) for t in answer_ids]
+    if not answer_ids:
+        return []
+    p_ids = prompt_ids(tokenizer, prompt_text)
+    if not p_ids:
+        raise UserError("the prompt is empty after tokenization", "prompt", "Give a non-empty prompt.")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([p_ids + answer_ids[:-1]], dtype=torch.long, device=device)
+    logits = _answer_logits(model, input_ids, len(answer_ids))
+    logp = torch.log_softmax(logits, dim=-1)  # [A, V]
+    del logits
+    digit_idx = torch.tensor(vocab.digit_ids, device=logp.device)
+    d_logp = logp[:, digit_idx]  # [A, 10]
+    cond = torch.softmax(d_logp, dim=-1)
+    entropy = -(cond * torch.log2(cond.clamp_min(1e-30))).sum(-1)
+    mass = torch.logsumexp(d_logp, dim=-1).exp()
+    ans = torch.tensor(answer_ids, device=logp.device)
+    tok_p = logp.gather(1, ans[:, None])[:, 0].exp()
+    top_p, top_id = logp.max(dim=-1)
+    top_p = top_p.exp()
+
+    texts = [tokenizer.decode([t]) for t in answer_ids]
+    pieces = tokenizer.convert_ids_to_tokens(answer_ids)
+    kind, number, place = label_positions(answer_ids, texts, vocab)
+    cond_l, d_logp_l, ent_l = cond.cpu().tolist(), d_logp.cpu().tolist(), entropy.cpu().tolist()
+    mass_l, tok_l = mass.cpu().tolist(), tok_p.cpu().tolist()
+    top_id_l, top_p_l = top_id.cpu().tolist(), top_p.cpu().tolist()
+    records = []
+    for i, t in enumerate(answer_ids):
+        char = vocab.char_of(t)
+        probs = cond_l[i]
+        records.append(PositionRecord(
+            index=i, token_id=t, token=str(pieces[i]), text=texts[i], char=char, kind=kind[i], number=number[i],
+            place=place[i], place_name=place_name(place[i]) if place[i] is not None else None,
+            probs=probs, digit_logprobs=d_logp_l[i], entropy=ent_l[i], digit_mass=mass_l[i], token_prob=tok_l[i],
+            digit=_digit(char),
+            argmax_digit=max(range(10), key=lambda d: probs[d]),
+            top_token_id=int(top_id_l[i]), top_token=tokenizer.decode([int(top_id_l[i])]),
+            top_token_prob=top_p_l[i], top_digit=_digit(vocab.char_of(int(top_id_l[i])))))
+    return records
+
+
+def numbers_of(records: Sequence[PositionRecord]) -> list[Number]:
+    """The answer's numbers: their text (sign and separators included) and their digit/point rows."""
+    out: list[Number] = []
+    by_number: dict[int, list[PositionRecord]] = {}
+    for r in records:
+        if r.number is not None:
+            by_number.setdefault(r.number, []).append(r)
+    for n in sorted(by_number):
+        rows = by_number[n]
+        first, last = rows[0].index, rows[-1].index
+        text = "".join(records[i].text for i in range(first, last + 1)).strip()
+        if first > 0 and records[first - 1].text.endswith("-"):
+            text = "-" + text
+        out.append(Number(n, text, rows))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        for i in (source if isinstance(source, (list, tuple)) else [source]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _stops(tokenizer, chat: bool) -> list[str]:
+    from delft.answers import CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS
+
+    stops = list(CHAT_STOP_STRINGS if chat else PLAIN_STOP_STRINGS)
+    if isinstance(tokenizer.eos_token, str) and tokenizer.eos_token and tokenizer.eos_token not in stops:
+        stops.append(tokenizer.eos_token)
+    return stops
+
+
+def _stopped_at(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> Optional[int]:
+    """The smallest k such that ids[:k] decodes to text holding a stop string (past leading whitespace)."""
+    from delft.answers import cut_at_stop
+
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
+        if cut_at_stop(text, stops) != text:
+            return k
+    return None
+
+
+class _StopOnStrings:
+    def __init__(self, tokenizer, prompt_len: int, stops: Sequence[str]):
+        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, list(stops)
+
+    def __call__(self, input_ids, scores=None, **kwargs):
+        import torch
+
+        from delft.answers import cut_at_stop
+
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len:].tolist(), skip_special_tokens=False)
+        return torch.tensor([cut_at_stop(text, self.stops) != text], dtype=torch.bool, device=input_ids.device)
+
+
+def greedy_answer(model, tokenizer, prompt_text: str, max_new_tokens: int, chat: bool) -> list[int]:
+    """The greedy continuation's token ids, cut at EOS and at the first stop string (as delft eval does)."""
+    import torch
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    p_ids = prompt_ids(tokenizer, prompt_text)
+    eos = _eos_ids(model, tokenizer)
+    stops = _stops(tokenizer, chat)
+    device = next(model.parameters()).device
+    ids = torch.tensor([p_ids], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad,
+                           eos_token_id=eos or None, use_cache=True)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                             stopping_criteria=StoppingCriteriaList([_StopOnStrings(tokenizer, len(p_ids), stops)]))
+    new = out[0, len(p_ids):].tolist()
+    new = new[: next((k for k, t in enumerate(new) if t in eos), len(new))]
+    k = _stopped_at(tokenizer, new, stops)
+    return new if k is None else new[: k - 1]
+
+
+# --------------------------------------------------------------------------------------------- result
+
+
+@dataclass
+class ModelView:
+    name: str
+    base: Optional[str]
+    adapter: Optional[str]
+    template: str  # "chat" or "plain"
+    prompt_text: str
+    answer_ids: list[int]
+    records: list[PositionRecord]
+    own_answer: Optional[str] = None  # this model's greedy answer (compare mode, no --target)
+
+    @property
+    def numbers(self) -> list[Number]:
+        return numbers_of(self.records)
+
+
+@dataclass
+class InspectResult:
+    prompt: str
+    answer: str  # the teacher-forced answer text
+    mode: str  # "target" or "greedy"
+    source: str  # where the answer comes from, in words
+    target: Optional[str] = None
+    models: list[ModelView] = field(default_factory=list)
+
+    @property
+    def has_digits(self) -> bool:
+        return bool(self.models) and bool(self.models[0].numbers)
+
+
+def to_json(result: InspectResult) -> dict[str, Any]:
+    """Every number shown: per model, per number, per row (digit or decimal point)."""
+    return {
+        "delft_version": __version__,
+        "prompt": result.prompt,
+        "answer": result.answer,
+        "mode": result.mode,
+        "answer_source": result.source,
+        "target": result.target,
+        "digits": DIGITS,
+        "note": None if result.has_digits else "the answer has no digits: nothing to show",
+        "models": [{
+            "name": m.name, "base": m.base, "adapter": m.adapter, "template": m.template,
+            "prompt_text": m.prompt_text, "answer_token_ids": m.answer_ids, "own_greedy_answer": m.own_answer,
+            "numbers": [{"index": n.index, "text": n.text, "positions": [asdict(r) for r in n.rows]}
+                        for n in m.numbers],
+        } for m in result.models],
+    }
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+_STOPS = ((0.0, (40, 40, 70)), (0.5, (30, 120, 150)), (1.0, (250, 215, 60)))
+
+
+def heat(p: float) -> tuple[int, int, int]:
+    """Background colour for a probability: dark blue (low) -> teal -> yellow (high)."""
+    p = min(max(p, 0.0), 1.0)
+    for (p0, c0), (p1, c1) in zip(_STOPS, _STOPS[1:]):
+        if p <= p1:
+            f = (p - p0) / (p1 - p0)
+            return tuple(round(a + f * (b - a)) for a, b in zip(c0, c1))
+    return _STOPS[-1][1]
+
+
+def fmt_prob(p: float, marked: bool = False) -> str:
+    """A digit cell: the probability in whole percent; '·' below 0.5 %; '[n]' on the answer's digit."""
+    pct = round(100 * p)
+    if marked:
+        return f"[{pct}]"
+    return "·" if pct == 0 else str(pct)
+
+
+def fmt_pct(p: float) -> str:
+    return f"{100 * p:.1f}%"
+
+
+def fmt_entropy(h: float) -> str:
+    return f"{h:.2f}"
+
+
+def fmt_argmax(r: PositionRecord) -> str:
+    """The full-vocabulary argmax where it differs from the answer's token ('' where it is the same)."""
+    if r.top_token_id == r.token_id:
+        return ""
+    if r.top_digit is not None:
+        return f"{r.top_digit} {fmt_pct(r.top_token_prob)}"
+    text = f"{r.top_token!r} {fmt_pct(r.top_token_prob)}"
+    if r.digit is not None and r.argmax_digit != r.digit:
+        text += f", digit {r.argmax_digit}"
+    return text
+
+
+def _cell(p: float, marked: bool) -> Text:
+    text = fmt_prob(p, marked)
+    if round(100 * p) == 0 and not marked:
+        return Text(text, style="dim")
+    r, g, b = heat(p)
+    fg = "black" if (0.299 * r + 0.587 * g + 0.114 * b) > 140 else "white"
+    return Text(text, style=Style(color=fg, bgcolor=Color.from_rgb(r, g, b), bold=marked, underline=marked))
+
+
+def _row(r: PositionRecord, label: str, model: Optional[str]) -> list:
+    cells: list = [Text(label, style="italic dim" if r.kind == "point" else "")]
+    if model is not None:
+        cells.append(model)
+    cells += [_cell(p, r.digit == d) for d, p in enumerate(r.probs)]
+    mass_style = "" if r.digit_mass >= 0.9 or r.kind == "point" else "yellow"
+    cells += [fmt_entropy(r.entropy), Text(fmt_pct(r.digit_mass), style=mass_style), fmt_pct(r.token_prob),
+              fmt_argmax(r)]
+    return cells
+
+
+def render_tables(result: InspectResult) -> list[Table]:
+    """One table per number; with several models, one sub-row per model under each position."""
+    compare = len(result.models) > 1
+    first = result.models[0].numbers if result.models else []
+    tables = []
+    for k, num in enumerate(first):
+        title = f"number {k + 1} of {len(first)}: {num.text}"
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+        table.add_column("place", no_wrap=True)
+        if compare:
+            table.add_column("model", no_wrap=True)
+        for d in DIGITS:
+            table.add_column(d, justify="right", no_wrap=True)
+        table.add_column("entropy", justify="right", no_wrap=True)
+        table.add_column("P(digits)", justify="right", no_wrap=True)
+        table.add_column("p(token)", justify="right", no_wrap=True)
+        table.add_column("argmax", no_wrap=True)
+        per_model = [m.numbers[k].rows for m in result.models]
+        for j, r0 in enumerate(num.rows):
+            label = "point" if r0.kind == "point" else (r0.place_name or "")
+            for mi, m in enumerate(result.models):
+                r = per_model[mi][j]
+                last = mi == len(result.models) - 1
+                table.add_row(*_row(r, label if mi == 0 else "", m.name if compare else None),
+                              end_section=compare and last and j < len(num.rows) - 1)
+        tables.append(table)
+    return tables
+
+
+def render(result: InspectResult, console: Console) -> None:
+    m0 = result.models[0]
+    console.print(f"[bold]prompt[/] ({m0.template} template): {result.prompt!r}", highlight=False)
+    console.print(f"[bold]answer[/] ({result.source}): {result.answer!r}", highlight=False)
+    for m in result.models[1:]:
+        if m.own_answer is not None:
+            console.print(f"[dim]{m.name}'s own greedy answer: {m.own_answer!r}[/]", highlight=False)
+    if not result.has_digits:
+        console.print("[yellow]the answer has no digits: nothing to show.[/] Teacher-force a number with "
+                      "--target N (e.g. --target 391), or raise --max-new-tokens if the answer was cut short.",
+                      highlight=False)
+        return
+    for table in render_tables(result):
+        console.print(table)
+    console.print(Text(LEGEND, style="dim"))
+
+
+def write_plot(result: InspectResult, path: Path) -> None:
+    """Heatmap PNG: rows = digit positions (all numbers), columns = digits 0-9, one panel per model."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    views = [(m.name, [r for n in m.numbers for r in n.rows if r.kind == "digit"]) for m in result.models]
+    n_rows = max(1, len(views[0][1]))
+    multi = len(result.models[0].numbers) > 1
+    labels = [(f"#{r.number + 1} " if multi else "") + f"{r.place_name} ({r.char})" for r in views[0][1]]
+    fig = Figure(figsize=(1.2 + 4.2 * len(views), 1.4 + 0.38 * n_rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(views), squeeze=False)[0]
+    image = None
+    for ax, (name, rows) in zip(axes, views):
+        matrix = [r.probs for r in rows] or [[0.0] * 10]
+        image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(10), list(DIGITS))
+        ax.set_yticks(range(len(rows)), labels if ax is axes[0] else [""] * len(rows))
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("digit")
+        for y, r in enumerate(rows):
+            if r.digit is not None:
+                ax.add_patch(Rectangle((r.digit - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+            if n_rows <= 40:
+                for d, p in enumerate(r.probs):
+                    if p >= 0.005:
+                        ax.text(d, y, f"{p:.2f}", ha="center", va="center", fontsize=6,
+                                color="black" if p > 0.6 else "white")
+    fig.colorbar(image, ax=list(axes), label="P(digit | a digit comes next)", shrink=0.9)
+    fig.suptitle(f"{result.prompt[:70]!r} -> {result.answer[:40]!r} (red: the answer's digit)", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, format="png")
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class _Spec:
+    name: str
+    base: Optional[str]
+    adapter: Optional[str]
+
+
+def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
+    from delft.models import read_run_info
+
+    if not adapters:
+        if base is None:
+            raise UserError("no model given", "delft inspect",
+                            "Pass --model NAME (e.g. --model smollm2-135m), a recipe, or --adapter RUN_DIR.")
+        return [_Spec(Path(base).name if Path(base).expanduser().exists() else base, base, None)]
+    recorded = [read_run_info(Path(a)).get("base_model") for a in adapters if Path(a).is_dir()]
+    names = [Path(a).name or str(a) for a in adapters]
+    specs = []
+    for a, n in zip(adapters, names):
+        if a == "base" and not Path(a).exists():
+            b = base or next((r for r in recorded if r), None)
+            if b is None:
+                raise UserError("'base' needs a base model", "delft inspect", "Pass --model NAME or a recipe.")
+            specs.append(_Spec("base", b, None))
+            continue
+        if not Path(a).is_dir():
+            raise UserError(f"run directory {a} does not exist", "delft inspect",
+                            "Give a directory written by `delft train` (an adapter) or by `delft export` "
+                            "(a merged model), or 'base' for the base model.")
+        specs.append(_Spec(str(a) if names.count(n) > 1 or n == "base" else n, base, str(a)))
+    return specs
+
+
+def _release() -> None:
+    """Return the freed model's memory (the caller drops its last reference first)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _structure(records: Sequence[PositionRecord]) -> list[list[tuple]]:
+    return [[(r.kind, r.place, r.char) for r in n.rows] for n in numbers_of(records)]
+
+
+def run_inspect(recipe: Optional[Path] = None, prompt: str = "", model: Optional[str] = None,
+                adapters: Sequence[str] = (), target: Optional[str] = None, max_new_tokens: int = 32,
+                json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
+                console: Optional[Console] = None) -> InspectResult:
+    """The ``delft inspect`` command. Answers without digits print a note and return normally (exit 0)."""
+    from delft.data import Example, render_prompt, use_chat_template
+    from delft.models import load_for_inference
+    from delft.recipe import load_recipe
+
+    console = console or Console()
+    cfg = load_recipe(recipe, list(overrides))
+    if not prompt or not prompt.strip():
+        raise UserError("the prompt is empty", "delft inspect", 'Give the prompt as the last argument, e.g. "What is 17 * 23?".')
+    if max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be positive, not {max_new_tokens}", "--max-new-tokens", "e.g. 32.")
+    target_text = check_target(target) if target is not None else None
+    base = model or (cfg.model.name if recipe is not None else None)
+    specs = _model_specs(base, list(adapters))
+    data_cfg = cfg.data
+
+    result: Optional[InspectResult] = None
+    first_vocab = None
+    first_structure = None
+    for i, spec in enumerate(specs):
+        lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
+        try:
+            vocab = DigitVocab.from_tokenizer(tok, PURPOSE)
+            chat = use_chat_template(tok, data_cfg)
+            prompt_text = render_prompt(Example(prompt, ""), tok, data_cfg)
+            own = None
+            if i == 0:
+                if target_text is not None:
+                    ids = tok.encode(target_text, add_special_tokens=False)
+                    answer, mode = target_text, "target"
+                    source = f"teacher-forced on --target {target_text}"
+                else:
+                    ids = greedy_answer(lm, tok, prompt_text, max_new_tokens, chat)
+                    answer, mode = tok.decode(ids, skip_special_tokens=True), "greedy"
+                    source = f"greedy answer of {spec.name}"
+                    if len(specs) > 1:
+                        source += ", teacher-forced for every model"
+                result = InspectResult(prompt, answer, mode, source, target_text)
+                first_vocab = tok.get_vocab()
+            else:
+                assert result is not None
+                if tok.get_vocab() == first_vocab:
+                    ids = list(result.models[0].answer_ids)
+                else:
+                    ids = tok.encode(result.answer, add_special_tokens=False)
+                if target_text is None:
+                    own = tok.decode(greedy_answer(lm, tok, prompt_text, max_new_tokens, chat),
+                                     skip_special_tokens=True)
+            records = compute_records(lm, tok, prompt_text, ids, vocab)
+        finally:
+            del lm
+            _release()
+        structure = _structure(records)
+        if i == 0:
+            first_structure = structure
+        elif structure != first_structure:
+            raise UserError(f"{spec.name}'s tokenizer splits the answer {result.answer!r} into digits differently "
+                            f"from {specs[0].name}'s", "--compare", "Inspect these models one at a time.")
+        result.models.append(ModelView(spec.name, spec.base, spec.adapter, "chat" if chat else "plain",
+                                       prompt_text, list(ids), records, own))
+        if i == 0 and not result.has_digits:
+            break  # nothing to teacher-force the others on
+
+    assert result is not None
+    render(result, console)
+    if json_out is not None:
+        json_out = Path(json_out)
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(to_json(result), indent=2))
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        if result.has_digits:
+            write_plot(result, Path(plot))
+            console.print(f"wrote {plot}")
+        else:
+            console.print(f"[dim]no plot written to {plot}: the answer has no digits[/]")
+    return result

@@ -1,0 +1,169 @@
+"""delft eval end to end on tiny models: a base model, a LoRA run directory, JSON/plot, and user errors."""
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from delft.cli import app
+from delft.evaluate import run_eval
+
+FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
+
+
+def _digit_model(path: Path, hidden: int = 32, seed: int = 0) -> Path:
+    """A tiny model whose output layer only ever picks digits or '.', so every answer holds a number."""
+    import torch
+
+    from tiny import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model(tok, hidden=hidden, seed=seed)
+    allowed = [tok.convert_tokens_to_ids(c) for c in "0123456789."]
+    with torch.no_grad():
+        w = model.lm_head.weight
+        keep = w[allowed].clone() * 20
+        w.zero_()
+        w[allowed] = keep
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _lora_run(model_dir: Path, run_dir: Path, info: bool = True) -> Path:
+    """A run directory as `delft train` leaves it: peft adapter (non-zero B), delft_run.json, recipe.yaml."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from delft.models import RUN_INFO, architecture
+    from delft.recipe import dump_recipe, validate_recipe
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(run_dir)
+    if info:
+        (run_dir / RUN_INFO).write_text(json.dumps({
+            "status": "completed", "base_model": str(model_dir), "architecture": architecture(model.config)}))
+        (run_dir / "recipe.yaml").write_text(dump_recipe(validate_recipe(
+            {"model": {"name": str(model_dir)}, "output": {"dir": str(run_dir)}})))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def digit_model(tmp_path_factory) -> Path:
+    return _digit_model(tmp_path_factory.mktemp("digits") / "model")
+
+
+@pytest.fixture(scope="module")
+def lora_run(digit_model, tmp_path_factory) -> Path:
+    return _lora_run(digit_model, tmp_path_factory.mktemp("runs") / "lora")
+
+
+def test_eval_base_and_adapter_json(digit_model, lora_run, tmp_path):
+    out, png = tmp_path / "eval.json", tmp_path / "places.png"
+    results = run_eval(recipe=None, runs=[str(lora_run)], model=str(digit_model), data="synthetic", limit=5,
+                       json_out=out, plot=png, overrides=FAST, console=Console(width=160, record=True))
+    assert [r.name for r in results] == ["base", "lora"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(out.read_text())
+    assert report["settings"]["n"] == 5 and report["settings"]["limit"] == 5
+    assert report["settings"]["data"]["synthetic"]["seed"] != 0  # disjoint from the training seed
+    models = report["models"]
+    assert [m["name"] for m in models] == ["base", "lora"]
+    assert models[0]["adapter"] is None and models[1]["adapter"] == str(lora_run)
+    assert models[0]["vs_base"] is None and models[1]["vs_base"]["exact_match"]["difference"] is not None
+    golds = [p["gold"] for p in models[0]["predictions"]]
+    assert [p["gold"] for p in models[1]["predictions"]] == golds
+    for m in models:
+        preds, met = m["predictions"], m["metrics"]
+        assert len(preds) == met["n"] == 5
+        assert met["exact_match"] == pytest.approx(sum(p["exact"] for p in preds) / 5)
+        assert met["tolerance_match"] == pytest.approx(sum(p["tolerance"] for p in preds) / 5)
+        assert met["no_number_rate"] == pytest.approx(sum(p["rule"] == "none" for p in preds) / 5)
+        assert met["no_number_rate"] == 0  # the digit-only model always answers with a number
+        lo, hi = met["exact_match_ci"]
+        assert lo <= met["exact_match"] <= hi
+        errs = [abs(Decimal(p["extracted"]) - Decimal(p["gold"])) for p in preds if p["extracted"] is not None]
+        assert met["mae"] == pytest.approx(float(sum(errs) / len(errs)))
+        for name, place in met["per_place"].items():
+            flags = [p["places"][name] for p in preds if name in p["places"]]
+            assert place["n"] == len(flags) and place["accuracy"] == pytest.approx(sum(flags) / len(flags))
+        assert sum(met["rules"].values()) == 5
+        for p in preds:
+            assert set(p) >= {"prompt", "gold", "generated", "extracted", "rule", "exact", "tolerance", "places"}
+            assert p["prompt"].startswith("<|user|>What is ") and p["prompt"].endswith("<|assistant|>")
+            assert p["extracted"] is not None and p["generated"].strip()
+    # the adapter changes the answers (B is non-zero): otherwise the test would not show it was applied
+    assert [p["generated"] for p in models[0]["predictions"]] != [p["generated"] for p in models[1]["predictions"]]
+
+
+def test_batched_generation_matches_one_by_one(digit_model):
+    """Left padding + KV cache: a batch gives the same greedy answers as one prompt at a time."""
+    from delft.evaluate import generate_answers
+    from delft.models import load_for_inference
+
+    model, tok = load_for_inference(str(digit_model), device="cpu")
+    prompts = [f"<|user|>What is {q}?</s>\n<|assistant|>" for q in ("1 + 1", "12 * 345", "9", "-7.5 / 2.5")]
+    batched = generate_answers(model, tok, prompts, 5, 4, [], [tok.eos_token_id])
+    single = generate_answers(model, tok, prompts, 5, 1, [], [tok.eos_token_id])
+    assert batched == single and all(batched)
+    # a stop string ends that sequence's generation (the others in the batch go on)
+    stop = batched[1][2]
+    stopped = generate_answers(model, tok, prompts, 5, 4, [stop], [tok.eos_token_id])
+    assert stopped[1] == batched[1][: batched[1].index(stop) + 1]
+    assert all(b.startswith(s) for b, s in zip(batched, stopped))
+
+
+def test_recipe_includes_finished_run_and_limit(digit_model, lora_run, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name: {digit_model}}}\noutput: {{dir: {lora_run}}}\neval: {{limit: 3}}\n")
+    results = run_eval(recipe=recipe, include_base=False, overrides=FAST, console=Console(width=160))
+    assert [r.name for r in results] == ["lora"] and results[0].metrics["n"] == 3
+
+
+def _cli(args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_eval_set_without_answers(digit_model, tmp_path):
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text('{"instruction": "Say hello", "output": "Hello there"}\n'
+                    '{"instruction": "Name a colour", "output": "blue"}\n')
+    r = _cli(["eval", "--model", digit_model, "--data", data, "--format", "alpaca", *sum((["--set", s] for s in FAST), [])])
+    assert r.exit_code == 2, r.output
+    assert "no numeric answers" in r.output
+
+
+def test_cli_missing_adapter(digit_model, tmp_path):
+    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", tmp_path / "no-such-run"])
+    assert r.exit_code == 2, r.output
+    assert "does not exist" in r.output
+
+
+def test_cli_adapter_for_another_base(digit_model, tmp_path):
+    other = _digit_model(tmp_path / "other", hidden=64)
+    run = _lora_run(other, tmp_path / "other-run")
+    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", run])
+    assert r.exit_code == 2, r.output
+    assert "trained on" in r.output
+    bare = _lora_run(other, tmp_path / "bare-run", info=False)  # no delft_run.json: peft's own shape check
+    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", "--no-base", bare])
+    assert r.exit_code == 2, r.output
+    assert "does not fit" in r.output
+
+
+def test_cli_needs_model_and_data_without_recipe(digit_model, tmp_path):
+    r = _cli(["eval", "--data", "synthetic"])
+    assert r.exit_code == 2 and "--model" in r.output
+    r = _cli(["eval", "--model", digit_model, "--data", tmp_path / "x.jsonl"])
+    assert r.exit_code == 2 and "--format" in r.output
+    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--no-base"])
+    assert r.exit_code == 2 and "nothing to evaluate" in r.output

@@ -1,0 +1,329 @@
+"""delft inspect: records against an independent full forward pass, table/JSON agreement, compare, CLI."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from delft.digits import DIGITS, DigitVocab
+from delft.errors import UserError
+from delft import inspect as di
+
+PROMPT = "What is 5 + 7?"
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def digit_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with large output rows for the digits and '.', so its greedy answers are numbers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    vocab = DigitVocab.from_tokenizer(tok)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        for i in list(vocab.digit_ids) + [vocab.dot_id]:
+            w[i] = torch.randn(w.shape[1], generator=gen) * 3
+    out = tmp_path_factory.mktemp("digity") / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir, tmp_path_factory):
+    """A run directory with a LoRA adapter whose B is nonzero (so it changes the model) and delft_run.json."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from delft.models import RUN_INFO, architecture
+
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    arch = architecture(base.config)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
+                                                 target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    run = tmp_path_factory.mktemp("runs") / "del"
+    peft_model.save_pretrained(run)
+    (run / RUN_INFO).write_text(json.dumps({"base_model": str(tiny_model_dir), "architecture": arch}))
+    return run
+
+
+def reference(model, tokenizer, prompt_text: str, answer_ids: list[int]):
+    """Independent numbers: one plain forward pass with full logits, softmaxes taken by hand."""
+    vocab = DigitVocab.from_tokenizer(tokenizer)
+    p_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([p_ids + answer_ids])).logits[0].double()
+    rows = logits[len(p_ids) - 1: len(p_ids) - 1 + len(answer_ids)]
+    full = torch.softmax(rows, dim=-1)
+    digits = torch.softmax(rows[:, list(vocab.digit_ids)], dim=-1)
+    mass = full[:, list(vocab.digit_ids)].sum(-1)
+    tok_p = full[torch.arange(len(answer_ids)), answer_ids]
+    return digits, mass, tok_p, full
+
+
+def chat_prompt(tokenizer, prompt=PROMPT):
+    from delft.data import Example, render_prompt
+    from delft.recipe import DataConfig
+
+    return render_prompt(Example(prompt, ""), tokenizer, DataConfig())
+
+
+def table_lines(text: str) -> dict[str, list[str]]:
+    """Data rows of an exported single-model table, keyed by place label: [10 cells, entropy, mass, p(token)]."""
+    out = {}
+    names = ("units", "tens", "hundreds", "thousands", "tenths", "hundredths", "point", "millions", "10^")
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0].startswith(names) and len(parts) >= 14:
+            out[parts[0]] = parts[1:14]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def test_teacher_forced_records_match_full_forward(tiny):
+    model, tok = tiny
+    prompt_text = chat_prompt(tok)
+    answer = tok.encode("-1,234.56 ok", add_special_tokens=False)
+    records = di.compute_records(model, tok, prompt_text, answer)
+    digits, mass, tok_p, full = reference(model, tok, prompt_text, answer)
+    assert len(records) == len(answer)
+    for i, r in enumerate(records):
+        assert r.token_id == answer[i]
+        assert r.probs == pytest.approx(digits[i].tolist(), abs=1e-5)
+        assert sum(r.probs) == pytest.approx(1.0, abs=1e-5)
+        assert r.digit_mass == pytest.approx(mass[i].item(), abs=1e-5)
+        assert r.token_prob == pytest.approx(tok_p[i].item(), abs=1e-6)
+        assert r.top_token_id == int(full[i].argmax())
+        assert r.argmax_digit == int(digits[i].argmax())
+        p = digits[i]
+        assert r.entropy == pytest.approx(float(-(p * torch.log2(p)).sum()), abs=1e-4)
+    shown = [(r.char, r.kind, r.place_name) for r in records if r.kind]
+    assert shown == [("1", "digit", "thousands"), ("2", "digit", "hundreds"), ("3", "digit", "tens"),
+                     ("4", "digit", "units"), (".", "point", None), ("5", "digit", "tenths"),
+                     ("6", "digit", "hundredths")]
+    numbers = di.numbers_of(records)
+    assert [n.text for n in numbers] == ["-1,234.56"]
+
+
+def test_fallback_without_logits_to_keep_gives_the_same_numbers(tiny, monkeypatch):
+    model, tok = tiny
+    prompt_text = chat_prompt(tok)
+    answer = tok.encode("391", add_special_tokens=False)
+    expected = di.compute_records(model, tok, prompt_text, answer)
+    import inspect as pyinspect
+
+    monkeypatch.setattr(pyinspect, "signature", lambda f: types.SimpleNamespace(parameters={}))
+    got = di.compute_records(model, tok, prompt_text, answer)
+    for a, b in zip(expected, got):
+        assert a.probs == pytest.approx(b.probs, abs=1e-5)
+        assert a.token_prob == pytest.approx(b.token_prob, abs=1e-6)
+
+
+def test_greedy_records_match_full_forward(digit_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(digit_model_dir)
+    prompt_text = chat_prompt(tok)
+    answer = di.greedy_answer(model, tok, prompt_text, 6, chat=True)
+    assert 0 < len(answer) <= 6
+    records = di.compute_records(model, tok, prompt_text, answer)
+    digits, mass, tok_p, full = reference(model, tok, prompt_text, answer)
+    assert any(r.kind == "digit" for r in records)
+    for i, r in enumerate(records):
+        assert r.token_id == int(full[i].argmax()) == r.top_token_id  # greedy: the answer is the argmax
+        assert r.probs == pytest.approx(digits[i].tolist(), abs=1e-5)
+        assert r.digit_mass == pytest.approx(mass[i].item(), abs=1e-5)
+        assert r.token_prob == pytest.approx(tok_p[i].item(), abs=1e-6)
+        assert di.fmt_argmax(r) == ""
+
+
+def test_places_dots_and_separators(tiny_tokenizer):
+    vocab = DigitVocab.from_tokenizer(tiny_tokenizer)
+
+    def label(text):
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        texts = [tiny_tokenizer.decode([t]) for t in ids]
+        kind, number, place = di.label_positions(ids, texts, vocab)
+        return [(c, k, n, p) for c, k, n, p in zip(texts, kind, number, place) if k]
+
+    assert label("It is 391.") == [("3", "digit", 0, 3), ("9", "digit", 0, 2), ("1", "digit", 0, 1)]
+    assert label("1,234,567") == [(c, "digit", 0, 7 - i) for i, c in enumerate("1234567")]
+    assert label("1,23 and 4.5") == [("1", "digit", 0, 1), ("2", "digit", 1, 2), ("3", "digit", 1, 1),
+                                     ("4", "digit", 2, 1), (".", "point", 2, None), ("5", "digit", 2, -1)]
+    assert label("... no") == []
+
+
+# -------------------------------------------------------------------------------------- table and JSON
+
+
+def test_table_and_json_agree(tiny_model_dir, tmp_path):
+    console = Console(record=True, width=200)
+    out = tmp_path / "out.json"
+    plot = tmp_path / "plots" / "out.png"
+    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "12.5", 8, out, plot, [], console)
+    text = console.export_text()
+    data = json.loads(out.read_text())
+    assert plot.stat().st_size > 1000
+    assert data["mode"] == "target" and data["answer"] == "12.5" and data["digits"] == DIGITS
+    [m] = data["models"]
+    assert m["template"] == "chat" and m["prompt_text"].startswith("<|user|>")
+    [number] = m["numbers"]
+    assert number["text"] == "12.5"
+    assert [p["place_name"] for p in number["positions"]] == ["tens", "units", None, "tenths"]
+    assert [p["kind"] for p in number["positions"]] == ["digit", "digit", "point", "digit"]
+    header = next(line for line in text.splitlines() if line.split()[:1] == ["place"])
+    assert header.split() == ["place", *DIGITS, "entropy", "P(digits)", "p(token)", "argmax"]
+    assert "number 1 of 1: 12.5" in text and "teacher-forced on --target 12.5" in text
+    rows = table_lines(text)
+    assert set(rows) == {"tens", "units", "point", "tenths"}
+    for p in number["positions"]:
+        row = rows[p["place_name"] or "point"]
+        expected = [di.fmt_prob(q, marked=(d == p["digit"])) for d, q in enumerate(p["probs"])]
+        assert row[:10] == expected
+        assert row[10:] == [di.fmt_entropy(p["entropy"]), di.fmt_pct(p["digit_mass"]), di.fmt_pct(p["token_prob"])]
+        if p["digit"] is not None:
+            assert row[p["digit"]].startswith("[") and sum(c.startswith("[") for c in row[:10]) == 1
+            assert p["char"] == str(p["digit"])
+        else:
+            assert not any(c.startswith("[") for c in row[:10])
+        assert p["argmax_digit"] == max(range(10), key=lambda d: p["probs"][d])
+    # JSON holds what the records hold
+    assert number["positions"][0]["probs"] == result.models[0].numbers[0].rows[0].probs
+
+
+def test_plain_template_prompt(tiny_model_dir):
+    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "7", 4, None, None, ["data.template=plain"],
+                            Console(record=True, width=200))
+    assert result.models[0].template == "plain"
+    assert result.models[0].prompt_text == PROMPT + "\n"
+
+
+def test_greedy_run_renders_the_answer(digit_model_dir):
+    console = Console(record=True, width=200)
+    result = di.run_inspect(None, PROMPT, str(digit_model_dir), [], None, 5, None, None, [], console)
+    text = console.export_text()
+    assert result.mode == "greedy" and result.has_digits
+    assert f"greedy answer of {digit_model_dir.name}" in text
+    assert f"number 1 of {len(result.models[0].numbers)}" in text
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("bad", ["abc", "3/4", "12 apples", "1,23", "", "$5", "1e5"])
+def test_target_not_a_number(bad, tiny_model_dir):
+    with pytest.raises(UserError, match="target is not a number"):
+        di.run_inspect(None, PROMPT, str(tiny_model_dir), [], bad, 4, None, None, [], Console(record=True))
+
+
+@pytest.mark.parametrize("good", ["391", "-3.5", "1,234", "+0.25", ".5", " 7 "])
+def test_target_numbers_accepted(good):
+    assert di.check_target(good) == good.strip()
+
+
+def test_answer_without_digits(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(di, "greedy_answer", lambda model, tok, prompt_text, n, chat: tok.encode(
+        "no idea", add_special_tokens=False))
+    console = Console(record=True, width=200)
+    out = tmp_path / "none.json"
+    plot = tmp_path / "none.png"
+    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], None, 8, out, plot, [], console)
+    text = console.export_text()
+    assert not result.has_digits
+    assert "the answer has no digits" in text and "--target" in text and "'no idea'" in text
+    assert json.loads(out.read_text())["models"][0]["numbers"] == []
+    assert not plot.exists()
+
+
+def test_chunked_digit_tokenizer_is_refused(tmp_path):
+    from tiny import save_tiny
+
+    path = save_tiny(tmp_path / "chunked", chunked_digits=True, hidden=16, layers=1)
+    with pytest.raises(UserError, match="digit"):
+        di.run_inspect(None, PROMPT, str(path), [], "12", 4, None, None, [], Console(record=True))
+
+
+def test_no_model_and_missing_run(tmp_path):
+    with pytest.raises(UserError, match="no model given"):
+        di.run_inspect(None, PROMPT, None, [], "12", 4, None, None, [], Console(record=True))
+    with pytest.raises(UserError, match="does not exist"):
+        di.run_inspect(None, PROMPT, None, [str(tmp_path / "nope")], "12", 4, None, None, [], Console(record=True))
+
+
+# --------------------------------------------------------------------------------------------- compare
+
+
+def test_compare_base_and_adapter(tiny_model_dir, adapter_dir, tmp_path):
+    console = Console(record=True, width=200)
+    out = tmp_path / "cmp.json"
+    plot = tmp_path / "cmp.png"
+    # 'base' = the base recorded in the run; the tiny model directory itself counts as a merged model
+    result = di.run_inspect(None, PROMPT, None, ["base", str(adapter_dir), str(tiny_model_dir)], "12", 8, out,
+                            plot, [], console)
+    data = json.loads(out.read_text())
+    names = [m["name"] for m in data["models"]]
+    assert names == ["base", "del", "model"]
+    base, lora, merged = ([q for p in m["numbers"][0]["positions"] for q in p["probs"]] for m in data["models"])
+    assert base == pytest.approx(merged, abs=1e-6)
+    assert max(abs(a - b) for a, b in zip(base, lora)) > 1e-3
+    assert plot.stat().st_size > 1000
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if line.split()[:1] == ["place"])
+    assert header.split()[:3] == ["place", "model", "0"]
+    # sub-rows: every position shows each model once, the place label on the first
+    lines = [line.split() for line in text.splitlines()]
+    tens = next(i for i, parts in enumerate(lines) if parts[:2] == ["tens", "base"])
+    assert lines[tens + 1][0] == "del" and lines[tens + 2][0] == "model"
+    for m, row in zip(data["models"], (lines[tens][2:12], lines[tens + 1][1:11], lines[tens + 2][1:11])):
+        p = m["numbers"][0]["positions"][0]
+        assert row == [di.fmt_prob(q, marked=(d == 1)) for d, q in enumerate(p["probs"])]
+    assert result.models[1].adapter == str(adapter_dir)
+
+
+def test_compare_greedy_uses_first_models_answer(digit_model_dir, tiny_model_dir):
+    console = Console(record=True, width=200)
+    result = di.run_inspect(None, PROMPT, None, [str(digit_model_dir), str(tiny_model_dir)], None, 4, None, None,
+                            [], console)
+    text = console.export_text()
+    assert result.models[1].answer_ids == result.models[0].answer_ids
+    assert "teacher-forced for every model" in text
+    assert result.models[1].own_answer is not None and "own greedy answer" in text
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_target_json(tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from delft.cli import app
+
+    out = tmp_path / "cli.json"
+    res = CliRunner().invoke(app, ["inspect", "--model", str(tiny_model_dir), "--target", "12", "--json", str(out),
+                                   PROMPT])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["target"] == "12" and len(data["models"][0]["numbers"][0]["positions"]) == 2
+    bad = CliRunner().invoke(app, ["inspect", "--model", str(tiny_model_dir), "--target", "twelve", PROMPT])
+    assert bad.exit_code == 2

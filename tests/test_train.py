@@ -1,0 +1,139 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import delft.train as train_mod
+from delft.errors import UserError
+from delft.recipe import load_recipe
+from delft.train import latest_checkpoint, run_training
+
+
+def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path:
+    base = {
+        "model": {"name": str(model_dir)},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+        "data": {"synthetic": {"n": 48, "max_digits": 2}, "max_length": 40, "val_size": 8},
+        "train": {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 3,
+                  "save_steps": 3, "warmup_ratio": 0.0},
+        "output": {"dir": str(tmp_path / name)},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def adapter_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter_model.safetensors"))
+
+
+def test_loss_falls_and_run_dir_is_complete(tmp_path, tiny_model_dir):
+    path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 30, "eval_steps": 30})
+    run = run_training(load_recipe(path))
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, losses  # from ~4.6 (uniform over 103 tokens)
+    assert all(r["term"] > 0 for r in rows if "term" in r)  # the DEL term was computed and logged
+    assert any("val_loss" in r for r in rows)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "recipe.yaml", "tokenizer.json",
+                 "loss_curve.png", "delft_run.json"):
+        assert (run / name).is_file(), name
+    info = json.loads((run / "delft_run.json").read_text())
+    assert info["status"] == "completed" and info["step"] == 30
+    assert load_recipe(run / "recipe.yaml") == load_recipe(path)
+
+
+def test_adapter_loads_with_peft_and_changes_the_model(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.tensor([[7, 8, 9, 10]])
+    with torch.no_grad():
+        before = base(ids).logits
+        tuned = PeftModel.from_pretrained(base, str(run)).eval()
+        after = tuned(ids).logits
+    assert (before - after).abs().max() > 1e-4
+
+
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, monkeypatch):
+    straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight")))
+
+    path = recipe_file(tmp_path, tiny_model_dir, name="resumed")
+    real_step, calls = train_mod.optimizer_step, {"n": 0}
+
+    def interrupt_on_fifth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fifth)
+    with pytest.raises(SystemExit) as e:
+        run_training(load_recipe(path))
+    assert e.value.code == 130
+    run_dir = tmp_path / "resumed"
+    assert latest_checkpoint(run_dir).name == "step-000004"
+    assert json.loads((run_dir / "delft_run.json").read_text())["status"] == "interrupted"
+
+    monkeypatch.setattr(train_mod, "optimizer_step", real_step)
+    run_training(load_recipe(path))  # automatic resume
+    a, b = adapter_weights(straight), adapter_weights(run_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(ln)]
+    assert steps == [1, 2, 3, 4, 5, 6]  # no duplicated or missing log lines
+
+
+def test_existing_run_is_never_overwritten_without_force(tmp_path, tiny_model_dir):
+    path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 2})
+    run = run_training(load_recipe(path))
+    before = adapter_weights(run)
+    with pytest.raises(UserError, match="already holds a finished run"):
+        run_training(load_recipe(path))
+    assert adapter_weights(run).keys() == before.keys()
+    run_training(load_recipe(path, ["train.seed=3"]), force=True)
+    after = adapter_weights(run)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resume_refuses_a_changed_recipe(tmp_path, tiny_model_dir, monkeypatch):
+    path = recipe_file(tmp_path, tiny_model_dir)
+    monkeypatch.setattr(train_mod, "optimizer_step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit):
+        run_training(load_recipe(path))
+    monkeypatch.undo()
+    with pytest.raises(UserError, match="learning_rate"):
+        run_training(load_recipe(path, ["train.learning_rate=0.5"]))
+    with pytest.raises(UserError, match="already exists"):
+        run_training(load_recipe(path), resume=False)
+
+
+def test_resume_flag_without_checkpoint(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match="holds no checkpoint"):
+        run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir)), resume=True)
+
+
+@pytest.mark.parametrize("loss", ["ce", "ntl_was", "ntl_mse", "dist2"])
+def test_every_loss_type_trains(tmp_path, tiny_model_dir, loss):
+    run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, loss={"type": loss},
+                                               train={"max_steps": 2})))
+    rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert (rows[-1]["term"] == 0) == (loss == "ce")
+
+
+def test_packing_and_accumulation_train(tmp_path, tiny_model_dir):
+    run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, data={"packing": True, "max_length": 128},
+                                               train={"max_steps": 2, "grad_accum": 2})))
+    assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
