@@ -2,9 +2,12 @@
 
     python bench/loss_bench.py            # ~2-3 minutes on 2 cores; writes bench/results/loss_bench_cpu.json
 
-Each configuration runs in a fresh subprocess so its peak RSS (ru_maxrss) is its own; a further subprocess
-alternates delft CE and CE + DEL steps so their time difference is not swamped by drift on a shared machine.
-A step = forward + backward (no optimizer), random-init Llama, no tokenizer (digit ids are given explicitly).
+Each configuration runs in a fresh subprocess so its peak RSS (ru_maxrss) is its own. Children run with
+MALLOC_MMAP_THRESHOLD_=65536: otherwise glibc keeps freed tensor memory in its heap and ru_maxrss mostly shows
+fragmentation, not what the step needs. Torch uses one thread and each step reports wall and process CPU time:
+on a shared machine CPU time is the stable measure. A further subprocess alternates delft CE and CE + DEL steps
+so their difference is not swamped by drift. A step = forward + backward (no optimizer), random-init Llama, no
+tokenizer (digit ids are given explicitly).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = dict(vocab=32000, hidden=256, layers=4, intermediate=688, heads=4, batch=8, seq=128, prompt=32,
-             chunk_size=256, warmup=2, steps=10, seed=0)
+             chunk_size=256, warmup=2, steps=8, threads=1, seed=0)
 DIGIT_IDS = tuple(range(100, 110))
 DOT_ID = 110
 CONFIGS = ("hf_ce", "delft_ce", "delft_ce_del")
@@ -80,13 +83,15 @@ def step_fn(config, model, ids, labels):
     return step, n_lab, n_dig
 
 
-def timed(step, n):
-    times = []
+def timed(step, n) -> tuple[list[float], list[float]]:
+    """(wall seconds, process CPU seconds) per step."""
+    wall, cpu = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - t0)
-    return times
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 def rss_mib() -> float:
@@ -94,30 +99,39 @@ def rss_mib() -> float:
 
 
 def child(config: str) -> dict:
+    import torch
+
     sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(SETUP["threads"])
     model, ids, labels = build()
+    med = statistics.median
     if config == "paired":
         a, _, _ = step_fn("delft_ce", model, ids, labels)
         b, _, _ = step_fn("delft_ce_del", model, ids, labels)
         for _ in range(SETUP["warmup"]):
             a(), b()
-        ta, tb = [], []
+        wa, ca, wb, cb = [], [], [], []
         for _ in range(SETUP["steps"]):
-            ta += timed(a, 1)
-            tb += timed(b, 1)
-        return dict(config=config, delft_ce_s=statistics.median(ta), delft_ce_del_s=statistics.median(tb),
-                    ce_times=ta, del_times=tb)
+            w, c = timed(a, 1)
+            wa += w
+            ca += c
+            w, c = timed(b, 1)
+            wb += w
+            cb += c
+        return dict(config=config, delft_ce_wall_s=med(wa), delft_ce_del_wall_s=med(wb), delft_ce_cpu_s=med(ca),
+                    delft_ce_del_cpu_s=med(cb), wall=dict(ce=wa, ce_del=wb), cpu=dict(ce=ca, ce_del=cb))
     step, n_lab, n_dig = step_fn(config, model, ids, labels)
     base = rss_mib()
     losses = [step() for _ in range(SETUP["warmup"])]
-    times = timed(step, SETUP["steps"])
-    return dict(config=config, median_s=statistics.median(times), times=times, peak_rss_mib=rss_mib(),
+    wall, cpu = timed(step, SETUP["steps"])
+    return dict(config=config, wall_s=med(wall), cpu_s=med(cpu), wall=wall, cpu=cpu, peak_rss_mib=rss_mib(),
                 rss_before_steps_mib=base, loss=losses[0], n_labels=n_lab, n_digits=n_dig)
 
 
 def run_child(config: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True, check=True,
-                         cwd=ROOT)
+                         cwd=ROOT, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -127,15 +141,16 @@ def main():
     t0 = time.time()
     results = {c: run_child(c) for c in CONFIGS}
     paired = run_child("paired")
-    extra_sep = results["delft_ce_del"]["median_s"] / results["delft_ce"]["median_s"] - 1
-    extra_paired = paired["delft_ce_del_s"] / paired["delft_ce_s"] - 1
+    extra_sep = results["delft_ce_del"]["cpu_s"] / results["delft_ce"]["cpu_s"] - 1
+    extra_paired = paired["delft_ce_del_cpu_s"] / paired["delft_ce_cpu_s"] - 1
+    extra_paired_wall = paired["delft_ce_del_wall_s"] / paired["delft_ce_wall_s"] - 1
     report = dict(
         machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                     cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), python=platform.python_version(),
+                     cpu_count=os.cpu_count(), load_average=os.getloadavg(), python=platform.python_version(),
                      torch=torch.__version__),
         setup=SETUP, results=results, paired=paired,
-        del_extra_over_delft_ce=dict(separate_processes=extra_sep, interleaved=extra_paired,
-                                     under_3_percent=extra_paired < 0.03),
+        del_extra_over_delft_ce=dict(interleaved_cpu=extra_paired, interleaved_wall=extra_paired_wall,
+                                     separate_processes_cpu=extra_sep, under_3_percent=extra_paired < 0.03),
         wall_s=time.time() - t0,
     )
     out = ROOT / "bench" / "results" / "loss_bench_cpu.json"
@@ -146,15 +161,16 @@ def main():
     n = results["delft_ce"]
     print(f"{SETUP['batch']}x{SETUP['seq']} tokens, vocab {SETUP['vocab']}, hidden {SETUP['hidden']}, "
           f"{SETUP['layers']} layers; {n['n_labels']} labels, {n['n_digits']} digit labels; "
-          f"chunk {SETUP['chunk_size']}; median of {SETUP['steps']} steps after {SETUP['warmup']} warmup")
-    print(f"{'config':<14}{'s/step':>9}{'tok/s':>9}{'peak RSS MiB':>14}{'(before steps)':>16}")
+          f"chunk {SETUP['chunk_size']}; {SETUP['threads']} thread; median of {SETUP['steps']} steps after "
+          f"{SETUP['warmup']} warmup; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'config':<14}{'cpu s/step':>11}{'wall s/step':>12}{'tok/s(cpu)':>11}{'peak RSS MiB':>14}{'step peak':>11}")
     for c in CONFIGS:
         r = results[c]
-        print(f"{c:<14}{r['median_s']:>9.3f}{tokens / r['median_s']:>9.0f}{r['peak_rss_mib']:>14.0f}"
-              f"{r['rss_before_steps_mib']:>16.0f}")
-    print(f"DEL extra over delft CE: {100 * extra_paired:+.2f}% interleaved "
-          f"({paired['delft_ce_s']:.3f} vs {paired['delft_ce_del_s']:.3f} s), {100 * extra_sep:+.2f}% separate runs; "
-          f"under 3%: {'yes' if extra_paired < 0.03 else 'no'}")
+        print(f"{c:<14}{r['cpu_s']:>11.3f}{r['wall_s']:>12.3f}{tokens / r['cpu_s']:>11.0f}{r['peak_rss_mib']:>14.0f}"
+              f"{r['peak_rss_mib'] - r['rss_before_steps_mib']:>+11.0f}")
+    print(f"DEL extra over delft CE (interleaved, CPU time): {100 * extra_paired:+.2f}% "
+          f"({paired['delft_ce_cpu_s']:.3f} vs {paired['delft_ce_del_cpu_s']:.3f} s; wall {100 * extra_paired_wall:+.2f}%; "
+          f"separate runs {100 * extra_sep:+.2f}%); under 3%: {'yes' if extra_paired < 0.03 else 'no'}")
     print(f"wrote {out.relative_to(ROOT)} ({report['wall_s']:.0f} s)")
 
 

@@ -18,7 +18,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and plan their memory.")
 app.add_typer(recipe_app, name="recipe")
 
-console = Console()
+console = Console(soft_wrap=True)  # long log lines wrap in the terminal, not mid-word in logs
 err_console = Console(stderr=True)
 DEBUG = os.environ.get("DELFT_DEBUG") == "1"
 

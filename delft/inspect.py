@@ -38,8 +38,8 @@ PURPOSE = "per-digit inspection"
 TARGET_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 LEGEND = ("cells: P(digit | the next token is a digit) in %, [n] = the answer's digit, '·' < 0.5 %; "
           "entropy: over the ten digits, in bits; P(digits): full-vocabulary probability that the next token "
-          "is a digit at all; p(token): full-vocabulary probability of the answer's token; argmax: the model's "
-          "top token where it differs from the answer's.")
+          "is a digit at all; p(token): full-vocabulary probability of the answer's token; argmax: where the "
+          "model would have gone instead (its top digit, and its top token if that is not a digit).")
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -392,15 +392,18 @@ def fmt_entropy(h: float) -> str:
 
 
 def fmt_argmax(r: PositionRecord) -> str:
-    """The full-vocabulary argmax where it differs from the answer's token ('' where it is the same)."""
+    """Where the model would have gone instead: its top digit where that is not the answer's digit, and its
+    full-vocabulary top token with probability where that is not a digit ('' where the answer is the argmax)."""
     if r.top_token_id == r.token_id:
         return ""
-    if r.top_digit is not None:
-        return f"{r.top_digit} {fmt_pct(r.top_token_prob)}"
-    text = f"{r.top_token!r} {fmt_pct(r.top_token_prob)}"
+    parts = []
     if r.digit is not None and r.argmax_digit != r.digit:
-        text += f", digit {r.argmax_digit}"
-    return text
+        parts.append(str(r.argmax_digit))
+    if r.top_digit is None:
+        parts.append(f"{r.top_token!r} {fmt_pct(r.top_token_prob)}")
+    elif r.digit is None:
+        parts.append(str(r.top_digit))
+    return ", ".join(parts)
 
 
 def _cell(p: float, marked: bool) -> Text:
@@ -423,24 +426,33 @@ def _row(r: PositionRecord, label: str, model: Optional[str]) -> list:
     return cells
 
 
-def render_tables(result: InspectResult) -> list[Table]:
-    """One table per number; with several models, one sub-row per model under each position."""
+HEADERS = ("entropy", "P(digits)", "p(token)")
+COMPACT_HEADERS = ("H", "P(d)", "p(t)")  # for consoles narrower than the full table
+
+
+def render_tables(result: InspectResult, compact: bool = False) -> list[Table]:
+    """One table per number; with several models, one sub-row per model under each position.
+
+    ``compact`` shortens the headers of the three summary columns (see COMPACT_HEADERS) and lets the place,
+    model and argmax columns wrap, for narrow consoles; the digit cells are never cut.
+    """
     compare = len(result.models) > 1
     first = result.models[0].numbers if result.models else []
     tables = []
     for k, num in enumerate(first):
         title = f"number {k + 1} of {len(first)}: {num.text}"
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-        table.add_column("place", no_wrap=True)
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                      collapse_padding=True)
+        table.add_column("place", no_wrap=not compact, overflow="fold")
         if compare:
-            table.add_column("model", no_wrap=True)
-        for d in DIGITS:
-            table.add_column(d, justify="right", no_wrap=True)
-        table.add_column("entropy", justify="right", no_wrap=True)
-        table.add_column("P(digits)", justify="right", no_wrap=True)
-        table.add_column("p(token)", justify="right", no_wrap=True)
-        table.add_column("argmax", no_wrap=True)
+            table.add_column("model", no_wrap=not compact, overflow="fold")
         per_model = [m.numbers[k].rows for m in result.models]
+        for d in DIGITS:
+            width = max(len(fmt_prob(r.probs[d], r.digit == d)) for rows in per_model for r in rows)
+            table.add_column(d, justify="right", no_wrap=True, min_width=width)
+        for h in (COMPACT_HEADERS if compact else HEADERS):
+            table.add_column(h, justify="right", no_wrap=True)
+        table.add_column("argmax", no_wrap=not compact, overflow="fold")
         for j, r0 in enumerate(num.rows):
             label = "point" if r0.kind == "point" else (r0.place_name or "")
             for mi, m in enumerate(result.models):
@@ -464,9 +476,17 @@ def render(result: InspectResult, console: Console) -> None:
                       "--target N (e.g. --target 391), or raise --max-new-tokens if the answer was cut short.",
                       highlight=False)
         return
-    for table in render_tables(result):
+    tables = render_tables(result)
+    wide = console.options.update_width(10_000)
+    compact = any(console.measure(t, options=wide).maximum > console.width for t in tables)
+    if compact:
+        tables = render_tables(result, compact=True)
+    for table in tables:
         console.print(table)
-    console.print(Text(LEGEND, style="dim"))
+    legend = LEGEND
+    if compact:
+        legend += " H = entropy, P(d) = P(digits), p(t) = p(token)."
+    console.print(Text(legend, style="dim"))
 
 
 def write_plot(result: InspectResult, path: Path) -> None:

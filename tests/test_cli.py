@@ -1,0 +1,96 @@
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+from typer.testing import CliRunner
+
+from delft.cli import app
+from tiny import save_tiny
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def recipe(tmp_path, name="r", **sections):
+    data = {"output": {"dir": str(tmp_path / "run")}}
+    data.update(sections)
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = ("import sys, time; t = time.perf_counter(); from delft.cli import app; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import at module level'; "
+            "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) < 0.5
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "delft", "--help"], capture_output=True, check=True)
+    assert time.perf_counter() - t < 3  # generous: interpreter start on a loaded 2-core CI machine
+
+
+def test_recipe_check_ok_and_prints_resolved(tmp_path):
+    r = run("recipe", "check", recipe(tmp_path, train={"max_steps": 3}))
+    assert r.exit_code == 0 and "max_steps: 3" in r.output and "learning_rate" in r.output
+
+
+def test_user_mistakes_exit_2_without_traceback(tmp_path):
+    cases = [
+        ("recipe", "check", tmp_path / "missing.yaml"),
+        ("recipe", "check", recipe(tmp_path, "a", train={"learing_rate": 1})),
+        ("train", recipe(tmp_path, "b", model={"name": str(tmp_path / "no-such-model")})),
+        ("train", recipe(tmp_path, "c", model={"name": "not a model"})),
+    ]
+    for args in cases:
+        r = run(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "Traceback" not in r.output and "error:" in r.output
+
+
+def test_cuda_requested_but_absent(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    r = run("train", recipe(tmp_path, model={"name": "x/y", "device": "cuda"}))
+    assert r.exit_code == 2 and "CUDA was requested" in r.output
+
+
+def test_chunked_digit_tokenizer_refused_before_weights_load(tmp_path):
+    model_dir = save_tiny(tmp_path / "chunky", chunked_digits=True)
+    for f in model_dir.glob("*.safetensors"):
+        f.unlink()  # if delft tried to load weights first, the error would be about missing weights
+    r = run("train", recipe(tmp_path, model={"name": str(model_dir)}, loss={"type": "del"}))
+    assert r.exit_code == 2
+    assert "merges digits into multi-digit tokens" in r.output and "loss.type 'del'" in r.output
+
+
+def test_hub_id_offline_fails_fast(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "delft", "train", recipe(tmp_path, model={"name": "nobody/nothing"})],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "hub cannot be reached" in out.stderr
+    assert time.perf_counter() - t < 30
+
+
+def test_debug_shows_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "delft", "recipe", "check", tmp_path / "missing.yaml", "--debug"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "UserError" in out.stderr
+
+
+def test_train_via_cli_then_refuses_overwrite(tmp_path, tiny_model_dir):
+    r = recipe(tmp_path, model={"name": str(tiny_model_dir)}, data={"synthetic": {"n": 16}, "val_size": 0},
+               train={"max_steps": 1, "batch_size": 4})
+    first = run("train", r)
+    assert first.exit_code == 0, first.output
+    assert "trainable labels" in first.output and "digit labels" in first.output
+    again = run("train", r)
+    assert again.exit_code == 2 and "--force" in again.output
