@@ -169,7 +169,8 @@ def main():
         print(f"{c:<14}{r['cpu_s']:>11.3f}{r['wall_s']:>12.3f}{tokens / r['cpu_s']:>11.0f}{r['peak_rss_mib']:>14.0f}"
               f"{r['peak_rss_mib'] - r['rss_before_steps_mib']:>+11.0f}")
     print(f"DEL extra over delft CE (interleaved, CPU time): {100 * extra_paired:+.2f}% "
-          f"({paired['delft_ce_cpu_s']:.3f} vs {paired['delft_ce_del_cpu_s']:.3f} s; wall {100 * extra_paired_wall:+.2f}%; "
+          f"({paired['delft_ce_cpu_s']:.3f} vs {paired['delft_ce_del_cpu_s']:.3f} s; "
+          f"wall {100 * extra_paired_wall:+.2f}%; "
           f"separate runs {100 * extra_sep:+.2f}%); under 3%: {'yes' if extra_paired < 0.03 else 'no'}")
     print(f"wrote {out.relative_to(ROOT)} ({report['wall_s']:.0f} s)")
 

@@ -436,8 +436,8 @@ def _describe_merge(info: dict, match_training: bool, gguf: bool) -> tuple[str, 
         detail = "into the original base weights"
         if quant == "nf4":
             detail += " (the QLoRA adapter was trained on their nf4 round-trip; --match-training merges into that)"
-            notes.append("QLoRA run: merged into the original 16-bit weights, the same base `delft eval` loads. "
-                         "--match-training merges into the nf4 round-tripped weights the adapter was trained on.")
+            notes.append("QLoRA run: merged into the unquantised base weights, the base `delft eval RUN` loads. "
+                         "--match-training merges into their nf4 round-trip, which the adapter was trained on.")
     if gguf:
         short = "dequantised GGUF" + (" + nf4 round-trip" if match_training else "")
         detail = detail.replace("the base weights", "the base weights dequantised from GGUF").replace(

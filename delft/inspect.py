@@ -334,6 +334,7 @@ class InspectResult:
     source: str  # where the answer comes from, in words
     target: Optional[str] = None
     models: list[ModelView] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # warnings shown above the tables and kept in the JSON
 
     @property
     def has_digits(self) -> bool:
@@ -350,7 +351,7 @@ def to_json(result: InspectResult) -> dict[str, Any]:
         "answer_source": result.source,
         "target": result.target,
         "digits": DIGITS,
-        "note": None if result.has_digits else "the answer has no digits: nothing to show",
+        "notes": result.notes + ([] if result.has_digits else ["the answer has no digits: nothing to show"]),
         "models": [{
             "name": m.name, "base": m.base, "adapter": m.adapter, "template": m.template,
             "prompt_text": m.prompt_text, "answer_token_ids": m.answer_ids, "own_greedy_answer": m.own_answer,
@@ -441,20 +442,21 @@ def render_tables(result: InspectResult, compact: bool = False) -> list[Table]:
     tables = []
     for k, num in enumerate(first):
         title = f"number {k + 1} of {len(first)}: {num.text}"
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-                      collapse_padding=True)
-        table.add_column("place", no_wrap=not compact, overflow="fold")
-        if compare:
-            table.add_column("model", no_wrap=not compact, overflow="fold")
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      padding=(0, 0) if compact else (0, 1), collapse_padding=True)
         per_model = [m.numbers[k].rows for m in result.models]
-        for d in DIGITS:
+        labels = ["point" if r.kind == "point" else (r.place_name or "") for r in num.rows]
+        table.add_column("place", no_wrap=True, min_width=max(map(len, labels)))
+        if compare:
+            table.add_column("model", no_wrap=True, overflow="ellipsis",
+                             min_width=min(8, max(len(m.name) for m in result.models)))
+        for d in range(10):
             width = max(len(fmt_prob(r.probs[d], r.digit == d)) for rows in per_model for r in rows)
-            table.add_column(d, justify="right", no_wrap=True, min_width=width)
+            table.add_column(str(d), justify="right", no_wrap=True, min_width=width)
         for h in (COMPACT_HEADERS if compact else HEADERS):
             table.add_column(h, justify="right", no_wrap=True)
         table.add_column("argmax", no_wrap=not compact, overflow="fold")
-        for j, r0 in enumerate(num.rows):
-            label = "point" if r0.kind == "point" else (r0.place_name or "")
+        for j, label in enumerate(labels):
             for mi, m in enumerate(result.models):
                 r = per_model[mi][j]
                 last = mi == len(result.models) - 1
@@ -471,6 +473,8 @@ def render(result: InspectResult, console: Console) -> None:
     for m in result.models[1:]:
         if m.own_answer is not None:
             console.print(f"[dim]{m.name}'s own greedy answer: {m.own_answer!r}[/]", highlight=False)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     if not result.has_digits:
         console.print("[yellow]the answer has no digits: nothing to show.[/] Teacher-force a number with "
                       "--target N (e.g. --target 391), or raise --max-new-tokens if the answer was cut short.",
@@ -585,7 +589,8 @@ def run_inspect(recipe: Optional[Path] = None, prompt: str = "", model: Optional
     console = console or Console()
     cfg = load_recipe(recipe, list(overrides))
     if not prompt or not prompt.strip():
-        raise UserError("the prompt is empty", "delft inspect", 'Give the prompt as the last argument, e.g. "What is 17 * 23?".')
+        raise UserError("the prompt is empty", "delft inspect",
+                        'Give the prompt as the last argument, e.g. "What is 17 * 23?".')
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be positive, not {max_new_tokens}", "--max-new-tokens", "e.g. 32.")
     target_text = check_target(target) if target is not None else None
@@ -615,6 +620,9 @@ def run_inspect(recipe: Optional[Path] = None, prompt: str = "", model: Optional
                     if len(specs) > 1:
                         source += ", teacher-forced for every model"
                 result = InspectResult(prompt, answer, mode, source, target_text)
+                if mode == "greedy" and len(ids) >= max_new_tokens and vocab.char_of(ids[-1]) is not None:
+                    result.notes.append(f"the answer was cut by --max-new-tokens {max_new_tokens} inside a "
+                                        "number, so the places of its last number may be off; raise it")
                 first_vocab = tok.get_vocab()
             else:
                 assert result is not None

@@ -226,7 +226,8 @@ def resolve_fused(mode: str, device) -> bool:
     if mode == "on":
         why = "no CUDA device" if not cuda else "liger-kernel is not installed (or Triton is missing)"
         raise UserError(f"train.fused_loss is 'on' but {why}",
-                        fix="Set train.fused_loss: auto (falls back to chunked CE) or install liger-kernel on a CUDA machine.")
+                        fix="Set train.fused_loss: auto (falls back to chunked CE) or install liger-kernel "
+                        "on a CUDA machine.")
     return False
 
 
@@ -236,7 +237,8 @@ def _liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
     out = LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, targets, bias)
-    return out[0] if isinstance(out, tuple) else out
+    out = out[0] if isinstance(out, tuple) else out
+    return out.float()
 
 
 def loss_sums(hidden: Tensor, lm_head: nn.Module, labels: Tensor, spec: LossSpec, chunk_size: int = 1024,

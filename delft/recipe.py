@@ -233,25 +233,71 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
                         "Fix the key(s) named above; `delft recipe check FILE` validates without running.") from None
 
 
+BASE_KEY = "base"
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", str(path),
+                        "Fix the YAML syntax (indentation, colons, quotes).") from None
+    if not isinstance(data, dict):
+        raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", str(path),
+                        "Start from recipes/quickstart.yaml.")
+    return data
+
+
+def recipe_chain(path: str | Path) -> list[Path]:
+    """The recipe file and the files it extends through ``base:``, nearest first (cycles are errors)."""
+    chain: list[Path] = []
+    current: Optional[Path] = Path(path)
+    while current is not None:
+        if any(current.resolve() == p.resolve() for p in chain):
+            loop = " -> ".join(str(p) for p in [*chain, current])
+            raise UserError(f"recipe bases form a cycle: {loop}", str(chain[0]), "Remove one of the base: keys.")
+        data = _read_yaml(current)
+        chain.append(current)
+        base = data.get(BASE_KEY)
+        if base is None:
+            current = None
+        elif isinstance(base, str) and base.strip():
+            current = current.parent / base  # relative to the file that names it
+            if not current.is_file():
+                raise UserError(f"base recipe {base!r} does not exist (looked for {current})", str(chain[-1]),
+                                "base: is a path relative to the recipe file that names it.")
+        else:
+            raise UserError(f"base: must be a path to another recipe, not {base!r}", str(chain[-1]),
+                            "e.g. base: base.yaml (relative to this file).")
+    return chain
+
+
+def read_recipe_data(path: str | Path) -> dict:
+    """A recipe file as a plain dict with its ``base:`` chain merged in (deep; the extending file wins)."""
+    data: dict = {}
+    for p in reversed(recipe_chain(path)):
+        layer = dict(_read_yaml(p))
+        layer.pop(BASE_KEY, None)
+        data = _merge(data, layer)
+    return data
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Read, merge ``--set`` overrides, validate. ``path=None`` starts from the defaults."""
+    """Read (following ``base:``), merge ``--set`` overrides, validate. ``path=None`` starts from the defaults.
+
+    A top-level ``base: other.yaml`` (relative to the file) makes the recipe extend another: sections merge
+    key by key, the extending file wins, lists and scalars are replaced whole; bases may chain.
+    """
     data: dict = {}
     where = "command line"
     if path is not None:
         path = Path(path)
         where = str(path)
-        if not path.is_file():
-            raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", where,
-                            "Fix the YAML syntax (indentation, colons, quotes).") from None
-        if not isinstance(data, dict):
-            raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", where,
-                            "Start from recipes/quickstart.yaml.")
+        data = read_recipe_data(path)
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         where += " (with --set overrides)"

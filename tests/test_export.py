@@ -126,7 +126,7 @@ def test_bf16_default_via_cli(run_dir, reference, tmp_path):
     assert "max |Δlogit|" in res.output and "passed" in res.output
     tensors = _tensors(out)
     assert tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
-    assert json.loads((out / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -212,6 +211,18 @@ def test_table_and_json_agree(tiny_model_dir, tmp_path):
     assert number["positions"][0]["probs"] == result.models[0].numbers[0].rows[0].probs
 
 
+def test_narrow_console_keeps_every_digit_cell(tiny_model_dir):
+    console = Console(record=True, width=80)
+    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "-1,234.5", 4, None, None, [], console)
+    text = console.export_text()
+    assert "…" not in text
+    header = next(line for line in text.splitlines() if line.split()[:1] == ["place"])
+    assert header.split()[:15] == ["place", *DIGITS, "H", "P(d)", "p(t)", "argmax"]
+    rows = table_lines(text)
+    for r in result.models[0].numbers[0].rows:
+        assert rows[r.place_name or "point"][:10] == [di.fmt_prob(q, r.digit == d) for d, q in enumerate(r.probs)]
+
+
 def test_plain_template_prompt(tiny_model_dir):
     result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "7", 4, None, None, ["data.template=plain"],
                             Console(record=True, width=200))
@@ -301,14 +312,20 @@ def test_compare_base_and_adapter(tiny_model_dir, adapter_dir, tmp_path):
     assert result.models[1].adapter == str(adapter_dir)
 
 
-def test_compare_greedy_uses_first_models_answer(digit_model_dir, tiny_model_dir):
+def test_compare_greedy_uses_first_models_answer(digit_model_dir, adapter_dir, tmp_path):
     console = Console(record=True, width=200)
-    result = di.run_inspect(None, PROMPT, None, [str(digit_model_dir), str(tiny_model_dir)], None, 4, None, None,
+    out = tmp_path / "greedy.json"
+    # a merged model first (its greedy answer), then an adapter whose base comes from its delft_run.json
+    result = di.run_inspect(None, PROMPT, None, [str(digit_model_dir), str(adapter_dir)], None, 4, out, None,
                             [], console)
     text = console.export_text()
     assert result.models[1].answer_ids == result.models[0].answer_ids
     assert "teacher-forced for every model" in text
-    assert result.models[1].own_answer is not None and "own greedy answer" in text
+    assert result.models[1].own_answer is not None and "del's own greedy answer" in text
+    data = json.loads(out.read_text())
+    assert data["models"][1]["own_greedy_answer"] == result.models[1].own_answer
+    assert len(result.models[0].answer_ids) == 4 and result.models[0].records[-1].kind == "digit"
+    assert "cut by --max-new-tokens 4" in text and data["notes"]
 
 
 # ------------------------------------------------------------------------------------------------- CLI

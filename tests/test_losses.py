@@ -34,6 +34,15 @@ def frac(i: int) -> float:
     return 1.02 ** -(i + 1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: on a busy 2-core machine OpenMP wake-ups cost ~10 ms per op, so run serially."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer()
