@@ -221,6 +221,7 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
 
     kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
     if quantization == "nf4":
+        _check_cpu_nf4(ref, device)
         try:
             from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
@@ -239,6 +240,20 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
     if quantization != "nf4":
         model.to(device)
     return model
+
+
+def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
+    """bitsandbytes 0.50's CPU dequantize_4bit is wrong when a weight's input dimension is not a multiple of 64
+    (found by delft's export tests); refuse rather than train on corrupted weights."""
+    if device != "cpu" or not ref.is_local:
+        return
+    cfg = json.loads((Path(ref.path) / "config.json").read_text())
+    dims = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size") if isinstance(cfg.get(k), int)}
+    bad = {k: v for k, v in dims.items() if v % 64}
+    if bad:
+        raise UserError(f"nf4 on CPU needs layer widths that are multiples of 64 (bitsandbytes' CPU kernels "
+                        f"decode others wrongly), but this model has {bad}", "quantization.mode",
+                        "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
 
 
 def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool = False):

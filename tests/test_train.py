@@ -137,3 +137,22 @@ def test_packing_and_accumulation_train(tmp_path, tiny_model_dir):
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, data={"packing": True, "max_length": 128},
                                                train={"max_steps": 2, "grad_accum": 2})))
     assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
+
+
+def test_real_nf4_qlora_trains_on_cpu(tmp_path):
+    """Real bitsandbytes nf4 (its CPU backend): 4-bit base layers, LoRA on top, loss finite, adapter saved."""
+    from tiny import save_tiny
+
+    model_dir = save_tiny(tmp_path / "wide", hidden=64)
+    path = recipe_file(tmp_path, model_dir, quantization={"mode": "nf4"}, train={"max_steps": 2})
+    run = run_training(load_recipe(path))
+    info = json.loads((run / "delft_run.json").read_text())
+    assert info["quantization"] == "nf4" and info["status"] == "completed"
+    rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_nf4_on_cpu_refuses_widths_bitsandbytes_decodes_wrongly(tmp_path, tiny_model_dir):
+    path = recipe_file(tmp_path, tiny_model_dir, quantization={"mode": "nf4"})
+    with pytest.raises(UserError, match="multiples of 64"):
+        run_training(load_recipe(path))
