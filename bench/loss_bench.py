@@ -57,7 +57,6 @@ def build():
 
 
 def step_fn(config, model, ids, labels):
-    import torch
 
     from delft.digits import DigitVocab
     from delft.losses import LossSpec, count_items, loss_sums

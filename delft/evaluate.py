@@ -127,9 +127,9 @@ def _finished_run(path: Path) -> Optional[Path]:
 
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
-    from delft.models import RUN_INFO, architecture, read_run_info, resolve_model
+    from delft.models import check_adapter_matches, read_run_info, resolve_model
 
-    base_arch = None
+    base_config = None
     for run in runs:
         p = Path(run)
         if not p.exists():
@@ -138,23 +138,15 @@ def check_runs(runs: Sequence[str], base: str) -> None:
         if not p.is_dir() or not ((p / "adapter_config.json").is_file() or (p / "config.json").is_file()):
             raise UserError(f"{run} holds neither an adapter (adapter_config.json) nor a merged model (config.json)",
                             "delft eval", "Give a run directory written by `delft train` or a merged model.")
-        info = read_run_info(p)
-        expected = info.get("architecture")
-        if (p / "adapter_config.json").is_file() and expected:
-            if base_arch is None:
+        if (p / "adapter_config.json").is_file() and read_run_info(p).get("architecture"):
+            if base_config is None:
                 from transformers import AutoConfig
 
                 try:
-                    base_arch = architecture(AutoConfig.from_pretrained(resolve_model(base).path))
+                    base_config = AutoConfig.from_pretrained(resolve_model(base).path)
                 except (OSError, ValueError):
                     return  # load_for_inference reports it
-            if expected != base_arch:
-                diff = ", ".join(f"{k} {expected[k]} vs {base_arch.get(k)}" for k in expected
-                                 if expected[k] != base_arch.get(k))
-                raise UserError(f"the adapter in {run} was trained on {info.get('base_model')!r}, whose shapes "
-                                f"differ from {base!r} ({diff})", "delft eval",
-                                f"Evaluate it with its base model (--model {info.get('base_model')}; see "
-                                f"{run}/{RUN_INFO}).")
+            check_adapter_matches(p, base, base_config, "delft eval")
 
 
 def column_names(runs: Sequence[str], include_base: bool) -> list[str]:

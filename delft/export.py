@@ -124,19 +124,6 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
                         "Choose another --out or pass --force to replace it.")
 
 
-def check_adapter_base(info: dict, config, run_dir: Path, base: str) -> None:
-    """The adapter's recorded architecture must match the base's (same rule as models.load_for_inference)."""
-    from delft.models import architecture
-
-    expected = info.get("architecture")
-    actual = architecture(config)
-    if expected and expected != actual:
-        diff = ", ".join(f"{k} {expected[k]} vs {actual.get(k)}" for k in expected if expected[k] != actual.get(k))
-        raise UserError(f"the adapter in {run_dir} was trained on {info.get('base_model')!r}, whose shapes "
-                        f"differ from {base!r} ({diff})", "delft export",
-                        "Export it with the base model it was trained on (see the run's recipe.yaml).")
-
-
 def _local_param_count(path: str) -> Optional[int]:
     """Parameters in a local model directory's safetensors files (headers only); None when not knowable."""
     from safetensors import safe_open
@@ -378,8 +365,8 @@ def model_card(r: ExportResult, info: dict, recipe, evals: list, run_dir: Path) 
         "",
         f"# {Path(r.out).name}",
         "",
-        f"A LoRA adapter trained with [delft](https://pypi.org/project/delft/) and merged into its base model. "
-        f"Loads with plain transformers; delft is not needed.",
+        "A LoRA adapter trained with [delft](https://pypi.org/project/delft/) and merged into its base model. "
+        "Loads with plain transformers; delft is not needed.",
         "",
         "| | |",
         "|---|---|",
@@ -476,7 +463,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from delft.models import SMOLLM2_ALIAS, load_model, load_tokenizer, resolve_device, resolve_model
+    from delft.models import SMOLLM2_ALIAS, check_adapter_matches, load_model, load_tokenizer, resolve_device, resolve_model
 
     device = resolve_device(device)
     recipe = _load_recipe_quietly(run_dir)
@@ -496,7 +483,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     if getattr(config, "quantization_config", None):
         raise UserError(f"base model {base!r} is a pre-quantised checkpoint; merging into 4-bit weights degrades "
                         "the model", "delft export", "Train and export against the 16-bit model it was made from.")
-    check_adapter_base(info, config, run_dir, base)
+    check_adapter_matches(run_dir, base, config, "delft export")
     estimate = _local_param_count(ref.path) if ref.is_local else None
     if estimate:
         check_disk(out, estimate, dtype)

@@ -291,6 +291,17 @@ def architecture(config) -> dict:
     return {k: getattr(config, k, None) for k in keys}
 
 
+def check_adapter_matches(run_dir, base: str, base_config, where: str) -> None:
+    """An adapter only fits the base whose shapes it was trained on (recorded in delft_run.json by train)."""
+    info = read_run_info(Path(run_dir))
+    expected, actual = info.get("architecture"), architecture(base_config)
+    if expected and expected != actual:
+        diff = ", ".join(f"{k} {expected[k]} vs {actual.get(k)}" for k in expected if expected[k] != actual.get(k))
+        raise UserError(f"the adapter in {run_dir} was trained on {info.get('base_model')!r}, whose shapes "
+                        f"differ from {base!r} ({diff})", where,
+                        f"Use the base model it was trained on ({info.get('base_model')}; see {run_dir}/{RUN_INFO}).")
+
+
 def read_run_info(run_dir: Path) -> dict:
     path = Path(run_dir) / RUN_INFO
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -325,13 +336,7 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
     tok_path = str(adapter) if adapter and any(Path(adapter).glob("tokenizer*")) else ref.path
     tokenizer = load_tokenizer(tok_path)
     if adapter is not None:
-        expected = info.get("architecture")
-        actual = architecture(model.config)
-        if expected and expected != actual:
-            diff = ", ".join(f"{k} {expected[k]} vs {actual[k]}" for k in expected if expected[k] != actual.get(k))
-            raise UserError(f"the adapter in {adapter} was trained on {info.get('base_model')!r}, whose shapes "
-                            f"differ from {base!r} ({diff})", "adapter",
-                            "Evaluate it with the base model it was trained on (see its recipe.yaml).")
+        check_adapter_matches(adapter, base, model.config, "adapter")
         from peft import PeftModel
 
         try:
