@@ -55,6 +55,11 @@ def friendly(fn):
             label = "error" if isinstance(e, UserError) else "verification failed"
             err_console.print(f"[bold red]{label}:[/] {e}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code)
+        except KeyboardInterrupt:
+            if DEBUG:
+                raise
+            err_console.print("[yellow]interrupted[/] (nothing was left half-written)")
+            raise typer.Exit(130)
 
     return wrapper
 

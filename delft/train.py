@@ -420,7 +420,9 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
                     raise UserError(f"the loss became {loss} at step {step}", "train.learning_rate",
                                     "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
                 stats = f"loss {loss:.4f}  ce {out['ce']:.4f}  {term_name} {out['term']:.4f}"
-                progress.update(task, completed=step, stats=stats)
+                rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                progress.update(task, completed=step,
+                                stats=f"{stats}  {rate:,.0f} tok/s  peak {peak_memory_gb(s.device):.2f} GB")
                 if step % t.logging_steps == 0 or step == plan.total_steps:
                     elapsed = time.perf_counter() - window_start
                     row = {"step": step, "loss": loss, "ce": out["ce"], "term": out["term"],
