@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
-CPU_SETUP = dict(model="smollm2-135m", batch=8, max_length=64, template="plain", n_examples=400, warmup=2, steps=6,
+CPU_SETUP = dict(model="smollm2-135m", batch=8, max_length=64, template="plain", n_examples=400, warmup=2, steps=12,
                  lr=2e-4, lora_r=16, lora_alpha=32, chunk_size=1024, gradient_checkpointing=True, seed=0)
 CPU_CONFIGS = ("delft_ce", "delft_del", "delft_ce_packed", "delft_del_packed", "trainer_ce", "trl_sft", "paired")
 GPU_SIZES = {  # as docs gpu_probe.py builds them; batch shapes as gpu.md's table
@@ -50,7 +50,11 @@ GPU_SIZES = {  # as docs gpu_probe.py builds them; batch shapes as gpu.md's tabl
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, batch=4, seq=1024),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, batch=1, seq=4096),
+    # for a dry run of the GPU code path on a CPU: DELFT_BENCH_DEVICE=cpu python bench/train_bench.py --gpu --sizes tiny
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1000, tie_word_embeddings=False, batch=2, seq=32),
 }
+DEVICE = os.environ.get("DELFT_BENCH_DEVICE", "cuda")  # of --gpu runs; "cpu" only to dry-run the code path
 GPU_CONFIGS = ("delft_ce", "delft_del", "delft_del_chunked", "trainer_ce", "liger_ce", "trl_sft")
 GPU_DIGITS, GPU_DOT = tuple(range(15, 25)), 13  # token ids playing '0'..'9' and '.' in the random models
 PEERS = ("trainer_ce", "trl_sft", "liger_ce")
@@ -196,11 +200,12 @@ def gpu_model_dir(size: str) -> Path:
     shape = {k: v for k, v in GPU_SIZES[size].items() if k not in ("batch", "seq")}
     cfg = Qwen2Config(**shape, max_position_embeddings=4096)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     from tokenizers import Tokenizer, models
 
     core = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
@@ -237,7 +242,7 @@ def run_delft(spec: dict) -> dict:
                                             "fused_loss": "off" if config.endswith("_chunked") else "auto"},
                                   "loss": {"type": loss_type}})
         vocab = DigitVocab(GPU_DIGITS, GPU_DOT)
-        device = "cuda"
+        device = DEVICE
         path = gpu_model_dir(size)
         torch.manual_seed(0)
         model = load_model(ModelRef(size, str(path), True), device, torch.bfloat16, "nf4", True)
@@ -261,7 +266,7 @@ def run_delft(spec: dict) -> dict:
     opt = torch.optim.AdamW(params, lr=recipe.train.learning_rate)
     tokens = [sum(len(x.input_ids) for x in it) for it in items] if not gpu else [b["input_ids"].numel() for b in batches]
     positions = [b["input_ids"].numel() for b in batches]
-    meter = Meter(gpu)
+    meter = Meter(gpu and DEVICE == "cuda")
     meter.reset()
     losses = []
     for b in batches:
@@ -278,11 +283,15 @@ def run_delft(spec: dict) -> dict:
 
 
 def run_paired(spec: dict) -> dict:
-    """delft CE and DEL steps interleaved A B B A on one model: drift cancels, leaving the DEL term's cost."""
+    """delft CE, delft DEL and a plain `model(labels=...)` loop, interleaved on one model and the same batches.
+
+    The order rotates every step, so drift on a shared machine cancels and what is left is the difference between
+    the loss paths: the DEL term's own cost, and delft's hidden-state path against full-vocabulary logits.
+    """
     import torch
     from rich.console import Console
 
-    from delft.data import collate
+    from delft.data import collate, collate_packed
     from delft.losses import make_term
     from delft.recipe import LossConfig
     from delft.train import build_model, optimizer_step, setup
@@ -292,29 +301,43 @@ def run_paired(spec: dict) -> dict:
     s = setup(recipe, quiet)
     model, _ = build_model(s, quiet)
     model.train()
-    specs = {"ce": make_term(LossConfig(type="ce"), s.spec.vocab), "del": make_term(LossConfig(type="del"), s.spec.vocab)}
+    specs = {k: make_term(LossConfig(type=k), s.spec.vocab) for k in ("ce", "del")}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.train.learning_rate)
     B, T, pad = CPU_SETUP["batch"], CPU_SETUP["max_length"], s.tokenizer.pad_token_id
-    times = {"ce": ([], []), "del": ([], [])}
-    order = ["ce", "del"] * spec["warmup"]
-    for k in range(spec["steps"]):
-        order += ["ce", "del"] if k % 2 == 0 else ["del", "ce"]
-    for i, kind in enumerate(order):
-        b = pad_to(collate(s.train[(i // 2) * B:(i // 2 + 1) * B], pad), T, pad)  # each pair sees one batch
-        t0, c0 = time.perf_counter(), time.process_time()
-        optimizer_step(model, [b], specs[kind], recipe, "cpu")
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= 2 * spec["warmup"]:
-            times[kind][0].append(time.perf_counter() - t0)
-            times[kind][1].append(time.process_time() - c0)
+
+    def hf_loop(b):
+        model(**b).loss.backward()  # input_ids, attention_mask, labels: the model's own full-logits CE
+
+    steps = {"ce": lambda b: optimizer_step(model, [b], specs["ce"], recipe, "cpu"),
+             "del": lambda b: optimizer_step(model, [b], specs["del"], recipe, "cpu"),
+             "hf_loop": hf_loop,
+             "ce_packed": lambda b: optimizer_step(model, [b], specs["ce"], recipe, "cpu"),
+             "del_packed": lambda b: optimizer_step(model, [b], specs["del"], recipe, "cpu")}
+    names = list(steps)
+    times = {k: ([], []) for k in names}
+    for i in range(spec["warmup"] + spec["steps"]):
+        items = s.train[i * B:(i + 1) * B]  # every path sees the same examples
+        padded, packed = pad_to(collate(items, pad), T, pad), collate_packed(items, pad, T)
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps[k](packed if k.endswith("_packed") else padded)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= spec["warmup"]:
+                times[k][0].append(time.perf_counter() - t0)
+                times[k][1].append(time.process_time() - c0)
     med = statistics.median
     r = {f"{k}_{what}": med(v[j]) for k, v in times.items() for j, what in enumerate(("wall_s", "cpu_s"))}
     r["del_extra_cpu"] = r["del_cpu_s"] / r["ce_cpu_s"] - 1
     r["del_extra_wall"] = r["del_wall_s"] / r["ce_wall_s"] - 1
-    r["pairs"] = {k: {"wall": v[0], "cpu": v[1]} for k, v in times.items()}
+    r["del_extra_packed_wall"] = r["del_packed_wall_s"] / r["ce_packed_wall_s"] - 1
+    r["del_extra_packed_cpu"] = r["del_packed_cpu_s"] / r["ce_packed_cpu_s"] - 1
+    r["del_vs_hf_loop_speed_wall"] = r["hf_loop_wall_s"] / r["del_wall_s"]
+    r["ce_vs_hf_loop_speed_wall"] = r["hf_loop_wall_s"] / r["ce_wall_s"]
+    r["del_vs_hf_loop_speed_cpu"] = r["hf_loop_cpu_s"] / r["del_cpu_s"]
+    r["steps"] = {k: {"wall": v[0], "cpu": v[1]} for k, v in times.items()}
     return r
 
 
@@ -342,7 +365,7 @@ def peer_model(spec: dict):
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=bnb,
-                                                     device_map={"": 0})
+                                                     device_map={"": 0 if DEVICE == "cuda" else "cpu"})
         tokenizer = AutoTokenizer.from_pretrained(path)
         batches = gpu_batch(spec["size"], n)
         rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
@@ -382,7 +405,7 @@ def run_peer(spec: dict) -> dict:
 
     config, gpu = spec["config"], spec["gpu"]
     model, tokenizer, rows, tokens, positions, lora = peer_model(spec)
-    meter = Meter(gpu)
+    meter = Meter(gpu and DEVICE == "cuda")
     n = spec["warmup"] + spec["steps"]
     batch = GPU_SIZES[spec["size"]]["batch"] if gpu else CPU_SETUP["batch"]
     losses = []
@@ -405,7 +428,7 @@ def run_peer(spec: dict) -> dict:
                   max_steps=n, learning_rate=2e-4, max_grad_norm=1.0, lr_scheduler_type="constant",
                   warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                   dataloader_num_workers=0, train_sampling_strategy="sequential", seed=0, optim="adamw_torch",
-                  use_cpu=not gpu, bf16=gpu, fp16=False)
+                  use_cpu=not gpu or DEVICE == "cpu", bf16=gpu and DEVICE == "cuda", fp16=False)
     if config == "trl_sft":
         import datasets
         from trl import SFTConfig, SFTTrainer
@@ -447,7 +470,9 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict, timeout: int) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false",
+    # default glibc malloc, as users run it (MALLOC_MMAP_THRESHOLD_=65536, used by loss_bench.py for tighter RSS,
+    # makes every large allocation a page-faulting mmap and slowed these steps 1.7x)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1",
                PYTHONWARNINGS="ignore", DELFT_CACHE=os.environ.get("DELFT_CACHE", str(Path.home() / ".cache/delft")))
     t0 = time.time()
@@ -465,7 +490,30 @@ def run_child(spec: dict, timeout: int) -> dict:
     return out
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One result per configuration: medians over every round's timed steps, the largest peak memory."""
+    good = [r for r in runs if "error" not in r]
+    if not good or "wall" not in good[0]:
+        return good[0] if good else runs[0]
+    m = dict(good[0])
+    m["wall"] = [x for r in good for x in r["wall"]]
+    m["cpu"] = [x for r in good for x in r["cpu"]]
+    m["step_s"], m["step_cpu_s"] = statistics.median(m["wall"]), statistics.median(m["cpu"])
+    m["tokens_per_s"] = m["tokens_per_step"] / m["step_s"]
+    m["tokens_per_cpu_s"] = m["tokens_per_step"] / m["step_cpu_s"]
+    m["positions_per_s"] = m["positions_per_step"] / m["step_s"]
+    m["peak_bytes"] = max(r["peak_bytes"] for r in good)
+    m["rounds"] = [dict(step_s=r["step_s"], tokens_per_s=r["tokens_per_s"], peak_bytes=r["peak_bytes"],
+                        wall=r["wall"], warmup_wall=r["warmup_wall"], process_s=r.get("process_s")) for r in good]
+    m.pop("warmup_wall", None)
+    m["failed_rounds"] = len(runs) - len(good)
+    return m
+
+
 def machine(gpu: bool) -> dict:
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import peft
     import torch
     import transformers
@@ -555,18 +603,26 @@ def main_cpu(args):
         except ImportError:
             print("trl is not installed (pip install -e '.[bench]'): skipping trl_sft", file=sys.stderr)
             configs.remove("trl_sft")
-    res = {}
-    for c in configs:
-        spec = dict(config=c, gpu=False, warmup=args.warmup, steps=args.steps)
-        print(f"[{time.time() - t0:5.0f} s] {c} ...", file=sys.stderr, flush=True)
-        res[c] = run_child(spec, timeout=900)
-        if "error" in res[c]:
-            print(res[c]["error"][-1500:], file=sys.stderr)
     names = [c for c in configs if c != "paired"]
+    runs: dict[str, list] = {c: [] for c in configs}
+    # separate processes in rounds, the order reversed each round: a slow minute on the shared machine then lands
+    # on different configurations and the median over all rounds' steps evens it out
+    plan = [(r, c) for r in range(args.rounds) for c in (names if r % 2 == 0 else names[::-1])]
+    if "paired" in configs:
+        plan.append((0, "paired"))
+    for r, c in plan:
+        steps = args.steps if c == "paired" else max(2, round(args.steps / args.rounds))
+        spec = dict(config=c, gpu=False, warmup=args.warmup, steps=steps)
+        print(f"[{time.time() - t0:5.0f} s] round {r + 1} {c} ...", file=sys.stderr, flush=True)
+        out = run_child(spec, timeout=900)
+        runs[c].append(out)
+        if "error" in out:
+            print(out["error"][-1500:], file=sys.stderr)
+    res = {c: merge_rounds(v) for c, v in runs.items() if v}
     print(f"\nCPU: SmolLM2-135M fp32, LoRA r=16 all-linear, batch {CPU_SETUP['batch']} arithmetic examples "
           f"(plain template), padded to {CPU_SETUP['max_length']} unless packed; gradient checkpointing "
-          f"{'on' if CPU_SETUP['gradient_checkpointing'] else 'off'}; median of {args.steps} steps after "
-          f"{args.warmup} warmup; {os.cpu_count()} CPUs")
+          f"{'on' if CPU_SETUP['gradient_checkpointing'] else 'off'}; median of {args.steps} steps "
+          f"({args.rounds} fresh processes per configuration, {args.warmup} warmup steps each); {os.cpu_count()} CPUs")
     print_table(res, names, False, "per configuration")
     rat = ratios(res, [c for c in names if c.startswith("delft")], [p for p in PEERS if p in res], False)
     print("\nratios delft / peer (tokens/s: >1 = delft faster; memory: <1 = delft lighter)")
@@ -583,20 +639,31 @@ def main_cpu(args):
                rat.get("delft_ce/trainer_ce", {}).get("tokens_per_s"), 1.0, "min"),
         target("delft DEL tokens/s >= TRL SFTTrainer tokens/s", rat.get("delft_del/trl_sft", {}).get("tokens_per_s"),
                1.0, "min"),
-        target("DEL step extra time over delft's CE step (interleaved, CPU time)",
-               paired["del_extra_cpu"] if paired else None, 0.03, "max", "%"),
+        target("delft DEL step speed / plain model(labels=...) loop (interleaved, same process)",
+               paired["del_vs_hf_loop_speed_wall"] if paired else None, 1.0, "min"),
+        target("DEL step extra time over delft's CE step (interleaved, wall)",
+               paired["del_extra_wall"] if paired else None, 0.03, "max", "%"),
+        target("DEL step extra time over delft's CE step, packed (interleaved, wall)",
+               paired["del_extra_packed_wall"] if paired else None, 0.03, "max", "%"),
         dict(target="GPU: delft DEL peak <= 1.1x Liger CE-only peak", value=None, limit=1.1, met=None,
              note="pending a GPU session (bash bench/gpu_run.sh)"),
     ]
     print_targets(targets)
     if paired:
-        print(f"  (DEL extra, interleaved wall time {paired['del_extra_wall']:+.2%}; separate processes, CPU time "
-              f"{sep:+.2%})" if sep is not None else "")
+        print(f"  interleaved medians: delft CE {paired['ce_wall_s']:.2f} s, delft DEL {paired['del_wall_s']:.2f} s, "
+              f"model(labels=...) {paired['hf_loop_wall_s']:.2f} s per step; DEL extra in CPU time "
+              f"{paired['del_extra_cpu']:+.2%}" + (f"; separate processes {sep:+.2%}" if sep is not None else "")
+              + f"; packed: CE {paired['ce_packed_wall_s']:.2f} s, DEL {paired['del_packed_wall_s']:.2f} s "
+              f"(CPU time {paired['del_extra_packed_cpu']:+.2%})")
     if ok("delft_del_packed") and ok("delft_del"):
         print(f"\npacking: delft DEL packed/padded tokens/s {res['delft_del_packed']['tokens_per_s'] / res['delft_del']['tokens_per_s']:.2f}x "
               f"({res['delft_del_packed']['rows']} rows x {res['delft_del_packed']['width']} instead of "
               f"{res['delft_del']['rows']} x {res['delft_del']['width']})")
-    report = dict(kind="cpu", machine=machine(False), setup=dict(CPU_SETUP, warmup=args.warmup, steps=args.steps),
+    first = {c: res[c].get("loss_first") for c in ("delft_ce", "trainer_ce", "trl_sft") if ok(c)}
+    if first:
+        print("\nsanity: first-step CE (same weights, same batch) " +
+              ", ".join(f"{c} {v:.5f}" for c, v in first.items() if v is not None))
+    report = dict(kind="cpu", machine=machine(False), first_step_ce=first, setup=dict(CPU_SETUP, warmup=args.warmup, steps=args.steps, rounds=args.rounds),
                   results=res, ratios=rat, targets=targets,
                   del_extra=dict(interleaved_cpu=paired and paired["del_extra_cpu"],
                                  interleaved_wall=paired and paired["del_extra_wall"], separate_processes_cpu=sep),
@@ -612,7 +679,7 @@ def main_cpu(args):
 def main_gpu(args):
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("--gpu needs a CUDA GPU visible to torch")
     t0 = time.time()
     sizes = args.sizes.split(",")
@@ -620,6 +687,7 @@ def main_gpu(args):
     out = Path(args.out or RESULTS / "train_bench_gpu.json")
     report = json.loads(out.read_text()) if out.is_file() else {"kind": "gpu", "results": {}}
     report["machine"] = machine(True)
+    report["device"] = DEVICE
     for size in sizes:
         gpu_model_dir(size)  # build once, outside the timed children
         res = report["results"].setdefault(size, {})
@@ -661,6 +729,7 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration (GPU)")
+    ap.add_argument("--rounds", type=int, default=2, help="CPU: fresh processes per configuration (steps split)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/train_bench_{cpu,gpu}.json)")
     args = ap.parse_args()
     if args.gpu:

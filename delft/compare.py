@@ -1,0 +1,551 @@
+"""``delft compare``: the same training run once per loss, then every adapter evaluated side by side.
+
+Recipes given on the command line must resolve (after ``base:`` and ``--set``) to the same settings except
+their ``loss`` section (and ``output.dir``, which compare replaces). A recipe that another given recipe
+extends (``recipes/compare/base.yaml``) is their shared base, not a run of its own, and is skipped.
+
+For every recipe and ``--seed`` N the run lives in ``<parent of output.dir>/<recipe name>-seed<N>``
+(``runs/compare/del-seed1``): finished runs are reused (after checking they were trained with this recipe),
+interrupted ones resume from their last checkpoint, missing ones are trained. Then the base model and every
+adapter answer (a) the recipe's held-out synthetic set and (b) a slice of a transfer set (SVAMP by default)
+with the machinery of ``delft eval``; tables go to the terminal and ``tables.txt`` (and as Markdown to
+``summary.md``), every metric, interval and prediction to ``compare.json``, per-place digit accuracy to
+``places_<set>.png``.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import math
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rich.console import Console
+
+from delft import __version__
+from delft.errors import UserError
+from delft.recipe import Recipe, load_recipe, recipe_chain
+
+DEFAULT_TRANSFER = "../shared/data/svamp.json"  # relative to the repository root (shared/ beside the checkout)
+DEFAULT_TRANSFER_FORMAT = "svamp"
+DEFAULT_TRANSFER_LIMIT = 100
+DEFAULT_TRANSFER_MAX_NEW_TOKENS = 32
+REFERENCE_LOSS = "ce"  # differences are reported against the plain-CE run when there is one
+FREE_KEYS = ("output.dir",)  # keys that may differ between compared recipes (compare sets them per run)
+
+
+@dataclass
+class Contender:
+    """One compared recipe: its file, name (the file's stem) and resolved settings (before the seed)."""
+
+    name: str
+    path: Path
+    recipe: Recipe
+
+    def for_seed(self, seed: int) -> Recipe:
+        cfg = self.recipe.model_copy(deep=True)
+        cfg.train.seed = seed
+        cfg.output.dir = str(run_dir_for(self.recipe, self.name, seed))
+        return cfg
+
+
+@dataclass
+class Column:
+    """One evaluated model (or the mean over seeds of one recipe) in one eval set."""
+
+    name: str
+    recipe: Optional[str]
+    seed: Optional[int]
+    adapter: Optional[str]
+    result: Any = None  # delft.evaluate.ModelResult
+    vs_base: Optional[dict] = None
+    vs_reference: Optional[dict] = None
+
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _comparable(recipe: Recipe) -> dict[str, Any]:
+    """Every resolved key except the loss section and the free keys."""
+    return {k: v for k, v in flat(recipe.to_dict()).items()
+            if not k.startswith("loss.") and k != "loss" and k not in FREE_KEYS}
+
+
+def run_dir_for(recipe: Recipe, name: str, seed: int) -> Path:
+    return Path(recipe.output.dir).parent / f"{name}-seed{seed}"
+
+
+def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console: Console) -> list[Contender]:
+    """Load the recipes, drop shared bases, and refuse any that differ in more than their loss."""
+    if not paths:
+        raise UserError("no recipes given", "delft compare", "e.g. delft compare recipes/compare/*.yaml")
+    unique: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise UserError(f"recipe file {p} does not exist", "delft compare", "Check the path.")
+        if not any(p.resolve() == q.resolve() for q in unique):
+            unique.append(p)
+    bases = {b.resolve() for p in unique for b in recipe_chain(p)[1:]}
+    contenders = []
+    for p in unique:
+        if p.resolve() in bases and len(unique) > 1:
+            console.print(f"[dim]{p}: the shared base of the other recipes, not a run of its own[/]")
+            continue
+        contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
+    names = [c.name for c in contenders]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UserError(f"recipes share the name {', '.join(dup)} (their runs would share a directory)",
+                        "delft compare", "Give each compared recipe a distinct file name.")
+    first = contenders[0]
+    ref = _comparable(first.recipe)
+    problems = []
+    for c in contenders[1:]:
+        other = _comparable(c.recipe)
+        for key in sorted(set(ref) | set(other)):
+            if ref.get(key) != other.get(key):
+                problems.append(f"{key} ({first.path.name}: {ref.get(key)!r}, {c.path.name}: {other.get(key)!r})")
+    if problems:
+        raise UserError("the recipes differ in more than their loss section: " + "; ".join(problems),
+                        "delft compare", "Move the shared settings into one base recipe (base: base.yaml) and "
+                        "let each recipe set only loss: (and output.dir).")
+    for i, a in enumerate(contenders):
+        for b in contenders[i + 1:]:
+            if a.recipe.loss == b.recipe.loss:
+                raise UserError(f"{a.path} and {b.path} resolve to the same loss ({a.recipe.loss.type}, weight "
+                                f"{a.recipe.loss.weight:g}): they would train the same run twice",
+                                "delft compare", "Drop one of them.")
+    return contenders
+
+
+# ----------------------------------------------------------------------------------------- training
+
+
+def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
+    saved = load_recipe(run_dir / "recipe.yaml")
+    a, b = flat(saved.to_dict()), flat(cfg.to_dict())
+    return [k for k in sorted(set(a) | set(b)) if not k.startswith("eval") and a.get(k) != b.get(k)]
+
+
+def _last_rows(run_dir: Path) -> dict:
+    """The final training and validation rows of metrics.jsonl (for the JSON report)."""
+    path = run_dir / "metrics.jsonl"
+    out: dict = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out["validation" if "val_loss" in row else "train"] = row
+    return out
+
+
+def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
+    """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
+    from delft.models import RUN_INFO, read_run_info
+    from delft.train import latest_checkpoint, run_training
+
+    run_dir = Path(cfg.output.dir)
+    info = read_run_info(run_dir) if run_dir.is_dir() else {}
+    if info.get("status") == "completed" and (run_dir / "adapter_config.json").is_file():
+        diff = _saved_recipe_differences(run_dir, cfg)
+        if diff:
+            raise UserError(f"{run_dir} holds a finished run of a different recipe ({', '.join(diff)} differ)",
+                            "delft compare", f"Delete {run_dir} to train it again with this recipe, or restore "
+                            "the recipe it was trained with (its recipe.yaml).")
+        console.print(f"[dim]{run_dir}: finished run, reused[/]")
+        return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
+    force = False
+    status = "trained"
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if latest_checkpoint(run_dir) is not None:
+            status = "resumed"
+        elif (run_dir / RUN_INFO).is_file():
+            console.print(f"[yellow]{run_dir}: stopped before its first checkpoint; starting it again[/]")
+            force = True
+        else:
+            raise UserError(f"{run_dir} exists and is not a delft run", "delft compare",
+                            "Move it away (compare keeps its runs beside the recipes' output.dir).")
+    console.rule(f"[bold]{run_dir.name}[/]: training ({cfg.loss.type}, seed {cfg.train.seed})")
+    start = time.perf_counter()
+    run_training(cfg, resume=None, force=force, console=console, resume_command=command)
+    seconds = time.perf_counter() - start
+    gc.collect()
+    steps = read_run_info(run_dir).get("step")
+    return {"status": status, "steps": steps, "seconds": round(seconds, 1), **_last_rows(run_dir)}
+
+
+# --------------------------------------------------------------------------------------- evaluation
+
+
+def mean_over_seeds(scored_lists: list[list], resamples: int, seed: int) -> dict:
+    """Metrics of one recipe averaged over its seeds (same problems for each).
+
+    Rates and MAE are those of the pooled predictions (equal to the mean of the seeds' rates); the 95 % CIs
+    are a bootstrap over problems of each problem's seed-averaged score, so problems are not counted twice.
+    ``n`` and the per-place ``n`` count problems; ``n_with_number`` and ``rules`` count all seeds' predictions.
+    """
+    from delft.answers import bootstrap_ci, summarize
+
+    n = len(scored_lists[0])
+    pooled = summarize([s for lst in scored_lists for s in lst], resamples, seed)
+    for key, attr in (("exact_match", "exact"), ("tolerance_match", "tolerance")):
+        per_problem = [sum(float(getattr(lst[i], attr)) for lst in scored_lists) / len(scored_lists)
+                       for i in range(n)]
+        ci = bootstrap_ci(per_problem, resamples, seed)
+        pooled[f"{key}_ci"] = list(ci) if ci else None
+    pooled["n"] = n
+    pooled["seeds"] = len(scored_lists)
+    pooled["predictions"] = n * len(scored_lists)
+    for place in pooled["per_place"].values():
+        place["n"] //= len(scored_lists)
+    per_seed = [summarize(lst, 0, seed) for lst in scored_lists]
+    pooled["per_seed"] = {k: [m[k] for m in per_seed] for k in ("exact_match", "tolerance_match",
+                                                                 "digit_accuracy", "mae", "no_number_rate")}
+    return pooled
+
+
+def _flags(scored: list, attr: str) -> list[float]:
+    return [float(getattr(s, attr)) for s in scored]
+
+
+def _averaged(scored_lists: list[list], attr: str) -> list[float]:
+    n = len(scored_lists[0])
+    return [sum(float(getattr(lst[i], attr)) for lst in scored_lists) / len(scored_lists) for i in range(n)]
+
+
+def _differences(a_exact, b_exact, a_tol, b_tol, resamples: int, seed: int) -> dict:
+    from delft.answers import paired_difference
+
+    return {"exact_match": paired_difference(a_exact, b_exact, resamples, seed),
+            "tolerance_match": paired_difference(a_tol, b_tol, resamples, seed)}
+
+
+def _diff_line(label: str, d: dict) -> str:
+    parts = []
+    for key, what in (("exact_match", "exact"), ("tolerance_match", "tolerance")):
+        x = d[key]
+        ci = x["ci"]
+        span = f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
+        parts.append(f"{what} {100 * x['difference']:+.1f}{span}")
+    return f"{label}: " + ", ".join(parts) + " points (paired bootstrap, 95 % CI)"
+
+
+def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
+                 seeds: list[int], runs: dict[tuple[str, int], Path], console: Console, tables: Console) -> dict:
+    """Every model on one eval set: tables, paired differences, and the JSON section for the set."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from delft.answers import canonical, summarize
+    from delft.evaluate import (BOOTSTRAP_SEED, ModelResult, evaluate_model, load_problems, prediction_record,
+                                render_table)
+
+    problems, skipped = load_problems(data_cfg, console)
+    boot = recipe_cfg.eval.bootstrap
+    source = data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
+    columns = [Column("base", None, None, None)]
+    for seed in seeds:
+        for c in contenders:
+            columns.append(Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])))
+    console.rule(f"[bold]{key}[/]: {len(problems)} problems from {source}")
+    start = time.perf_counter()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        for col in columns:
+            task = progress.add_task(col.name, total=len(problems))
+            col.result = evaluate_model(col.name, base, col.adapter, problems, data_cfg, recipe_cfg, progress, task)
+            col.result.metrics = summarize(col.result.scored, boot, BOOTSTRAP_SEED)
+    seconds = time.perf_counter() - start
+
+    base_col = columns[0]
+    b_exact, b_tol = _flags(base_col.result.scored, "exact"), _flags(base_col.result.scored, "tolerance")
+    by = {(col.recipe, col.seed): col for col in columns[1:]}
+    ref_name = next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), contenders[0].name)
+    for col in columns[1:]:
+        e, t = _flags(col.result.scored, "exact"), _flags(col.result.scored, "tolerance")
+        col.vs_base = _differences(b_exact, e, b_tol, t, boot, BOOTSTRAP_SEED)
+        if col.recipe != ref_name:
+            ref = by[(ref_name, col.seed)].result.scored
+            col.vs_reference = _differences(_flags(ref, "exact"), e, _flags(ref, "tolerance"), t, boot, BOOTSTRAP_SEED)
+
+    def show(title: str, results: list, notes: list[str]) -> None:
+        for target in (console, tables):
+            target.print(render_table(results, title))
+            for line in notes:
+                target.print(line, highlight=False)
+            target.print()
+
+    for seed in seeds:
+        cols = [base_col] + [by[(c.name, seed)] for c in contenders]
+        results = [ModelResult(c.recipe or "base", c.adapter, metrics=c.result.metrics) for c in cols]
+        notes = [_diff_line(f"{c.recipe} vs {ref_name} (seed {seed})", c.vs_reference)
+                 for c in cols[1:] if c.vs_reference]
+        show(f"delft compare, {key}: {len(problems)} problems from {source}, training seed {seed}", results, notes)
+
+    means = []
+    if len(seeds) > 1:
+        ref_lists = [by[(ref_name, s)].result.scored for s in seeds]
+        for c in contenders:
+            lists = [by[(c.name, s)].result.scored for s in seeds]
+            metrics = mean_over_seeds(lists, boot, BOOTSTRAP_SEED)
+            e, t = _averaged(lists, "exact"), _averaged(lists, "tolerance")
+            entry = {"name": c.name, "loss": c.recipe.loss.model_dump(mode="json"), "seeds": list(seeds),
+                     "metrics": metrics, "vs_base": _differences(b_exact, e, b_tol, t, boot, BOOTSTRAP_SEED),
+                     "vs_reference": None}
+            if c.name != ref_name:
+                entry["vs_reference"] = _differences(_averaged(ref_lists, "exact"), e,
+                                                     _averaged(ref_lists, "tolerance"), t, boot, BOOTSTRAP_SEED)
+            means.append(entry)
+        results = [ModelResult("base", None, metrics=base_col.result.metrics)] + [
+            ModelResult(f"{m['name']} (mean)", None, metrics=m["metrics"]) for m in means]
+        notes = [_diff_line(f"{m['name']} vs {ref_name} (mean of seeds)", m["vs_reference"])
+                 for m in means if m["vs_reference"]]
+        seeds_text = ", ".join(map(str, seeds))
+        show(f"delft compare, {key}: mean over training seeds {seeds_text} (CI: bootstrap over problems of the "
+             "seed-averaged score)", results, notes)
+
+    section = {
+        "settings": {
+            "source": data_cfg.source,
+            "data": data_cfg.model_dump(mode="json"),
+            "n": len(problems),
+            "skipped_without_answer": skipped,
+            "decoding": "greedy",
+            "max_new_tokens": recipe_cfg.eval.max_new_tokens,
+            "batch_size": recipe_cfg.eval.batch_size,
+            "bootstrap": {"resamples": boot, "seed": BOOTSTRAP_SEED, "level": 0.95},
+            "template": base_col.result.template,
+            "stop_strings": base_col.result.stop_strings,
+            "prompt_example": base_col.result.prompts[0] if base_col.result.prompts else None,
+            "reference": ref_name,
+            "seconds": round(seconds, 1),
+        },
+        "problems": [{"index": p.index, "question": p.example.prompt if isinstance(p.example.prompt, str)
+                      else p.example.prompt[-1]["content"], "gold": canonical(p.gold)} for p in problems],
+        "models": [],
+        "means": means,
+    }
+    for col in columns:
+        r = col.result
+        preds = []
+        for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored):
+            rec = prediction_record(p, pr, g, s)
+            del rec["prompt"]  # rendered prompts are the same for every model: see problems + prompt_example
+            preds.append(rec)
+        section["models"].append({
+            "name": col.name, "recipe": col.recipe, "seed": col.seed, "adapter": col.adapter,
+            "loss": next((c.recipe.loss.model_dump(mode="json") for c in contenders if c.name == col.recipe), None),
+            "metrics": r.metrics, "vs_base": col.vs_base, "vs_reference": col.vs_reference, "predictions": preds})
+    section["_plot"] = ([ModelResult("base", None, metrics=base_col.result.metrics)]
+                        + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]) if means else \
+        [ModelResult(c.recipe or "base", None, metrics=c.result.metrics)
+         for c in [base_col] + [by[(x.name, seeds[0])] for x in contenders]]
+    return section
+
+
+def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
+    """The transfer eval set as a DataConfig, rendered like the training data (template, system prompt)."""
+    from pydantic import ValidationError
+
+    from delft.recipe import DataConfig
+
+    fields = cfg.data.model_dump()
+    fields.update(source=source, format=fmt, limit=limit, val_size=0)
+    fields.pop("synthetic", None)
+    try:
+        return DataConfig.model_validate(fields)
+    except ValidationError as e:
+        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise UserError(f"invalid transfer set: {problems}", "--transfer/--transfer-format",
+                        "e.g. --transfer ../shared/data/svamp.json --transfer-format svamp.") from None
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _ci(m: dict, key: str) -> str:
+    ci = m.get(f"{key}_ci")
+    return _pct(m.get(key)) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
+
+
+def _diff(d: Optional[dict]) -> str:
+    if not d:
+        return ""
+    x = d["exact_match"]
+    ci = x["ci"]
+    return f"{100 * x['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
+
+
+def markdown_summary(report: dict) -> str:
+    """The report as Markdown tables (rows: models; seed means after their seeds), for docs and reviews."""
+    from delft.answers import place_order
+    from delft.digits import place_name
+
+    lines = [f"Generated by `{report['command']}` (delft {report['delft_version']}).", ""]
+    ref = report["settings"]["reference"]
+    for key, sec in report["evals"].items():
+        st = sec["settings"]
+        rows = []  # (label, metrics, vs_reference)
+        by_recipe: dict[str, list] = {}
+        for m in sec["models"]:
+            by_recipe.setdefault(m["recipe"] or "base", []).append(m)
+        means = {m["name"]: m for m in sec["means"]}
+        for recipe, models in by_recipe.items():
+            for m in models:
+                label = m["name"] if m["seed"] is None else f"{recipe} (seed {m['seed']})"
+                rows.append((label, m["metrics"], m["vs_reference"]))
+            if recipe in means:
+                rows.append((f"**{recipe} (mean)**", means[recipe]["metrics"], means[recipe]["vs_reference"]))
+        src = st["source"] if st["source"] != "synthetic" else f"synthetic, seed {st['data']['synthetic']['seed']}"
+        lines += [f"### {key}: {st['n']} problems ({src}), greedy, max_new_tokens {st['max_new_tokens']}", "",
+                  (f"| model | exact match % [95 % CI] | tolerance match % [95 % CI] | exact vs {ref}, points "
+                   "[95 % CI] | digit accuracy % | MAE | log-MAE | no number % |"),
+                  "|---|---|---|---|---|---|---|---|"]
+        for label, m, vs in rows:
+            lines.append(f"| {label} | {_ci(m, 'exact_match')} | {_ci(m, 'tolerance_match')} | {_diff(vs)} | "
+                         f"{_pct(m['digit_accuracy'])} | {_num(m['mae'])} | {_num(m['log_mae'])} | "
+                         f"{_pct(m['no_number_rate'])} |")
+        places = place_order(p["place"] for _, m, _ in rows for p in m["per_place"].values())
+        names = [place_name(p) for p in places]
+        counts = [max(m["per_place"].get(n, {}).get("n", 0) for _, m, _ in rows) for n in names]
+        lines += ["", "Per-place digit accuracy, % (n = problems whose gold answer has that place):", "",
+                  "| model | " + " | ".join(f"{n} (n={c})" for n, c in zip(names, counts)) + " |",
+                  "|---|" + "---|" * len(names)]
+        for label, m, _ in rows:
+            lines.append(f"| {label} | " + " | ".join(_pct(m["per_place"].get(n, {}).get("accuracy"))
+                                                     for n in names) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _plain(obj):
+    """JSON-safe copy (NaN/inf -> None)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# -------------------------------------------------------------------------------------------- entry
+
+
+def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
+                overrides: Sequence[str] = (), console: Optional[Console] = None,
+                transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
+                transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
+                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False) -> dict:
+    """Train what is missing, evaluate base + every run on the synthetic and transfer sets, write the report.
+
+    ``transfer=None`` means the default SVAMP file, skipped with a warning when it is absent; a transfer file
+    given explicitly must exist. Returns the JSON report (also written to ``out/compare.json``).
+    """
+    from delft.evaluate import check_runs, resolve_settings, write_plot
+
+    console = console or Console()
+    seeds = list(dict.fromkeys(seeds)) or [0]
+    if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
+        raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
+                        "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
+    contenders = resolve_contenders(recipes, overrides, console)
+    first = contenders[0]
+    cfg0 = first.for_seed(seeds[0])
+    if not no_transfer and transfer is None:
+        if Path(DEFAULT_TRANSFER).is_file():
+            transfer = DEFAULT_TRANSFER
+        else:
+            console.print(f"[yellow]warning:[/] {DEFAULT_TRANSFER} not found (run from the repository root with "
+                          "shared/ beside it); skipping the transfer set")
+    transfer_cfg = None
+    if transfer and not no_transfer:
+        transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit)
+    command = shlex.join(["delft", "compare", *map(str, recipes), *[x for s in seeds for x in ("--seed", str(s))],
+                          "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
+
+    # 1. training (everything that is missing), before any eval
+    runs: dict[tuple[str, int], Path] = {}
+    training: dict[str, dict] = {}
+    for seed in seeds:
+        for c in contenders:
+            cfg = c.for_seed(seed)
+            runs[(c.name, seed)] = Path(cfg.output.dir)
+            training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command)}
+
+    # 2. evaluation: the settings delft eval would use with the first recipe
+    _, base, synth_cfg, limit, _ = resolve_settings(first.path, [str(p) for p in runs.values()], None, None, None,
+                                                    None, overrides, console)
+    check_runs([str(p) for p in runs.values()], base)
+    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    sets: dict[str, dict] = {}
+    sets["synthetic"] = evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)
+    if transfer_cfg is not None:
+        key = Path(transfer_cfg.source).stem or "transfer"
+        key = "transfer" if key == "synthetic" else key
+        tcfg = cfg0.model_copy(deep=True)
+        tcfg.eval.max_new_tokens = transfer_max_new_tokens
+        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
+
+    # 3. outputs
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    for key, section in sets.items():
+        path = out / f"places_{key}.png"
+        what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+        write_plot(section.pop("_plot"), path,
+                   f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})")
+        plots[key] = str(path)
+    common = cfg0.to_dict()
+    common.pop("loss")
+    common["output"] = {"dir": str(Path(cfg0.output.dir).parent) + "/<recipe>-seed<N>"}
+    common["train"]["seed"] = "<seed>"
+    report = {
+        "delft_version": __version__,
+        "command": command,
+        "settings": {
+            "base_model": base,
+            "recipes": {c.name: str(c.path) for c in contenders},
+            "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
+            "seeds": seeds,
+            "reference": next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), first.name),
+            "recipe": common,
+            "synthetic_limit": limit,
+            "transfer": None if transfer_cfg is None else {
+                "source": transfer_cfg.source, "format": transfer_cfg.format, "limit": transfer_limit,
+                "max_new_tokens": transfer_max_new_tokens},
+        },
+        "training": training,
+        "evals": sets,
+        "plots": plots,
+    }
+    report = _plain(report)
+    (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "tables.txt").write_text(tables.export_text())
+    (out / "summary.md").write_text(markdown_summary(report))
+    console.print(f"[green]wrote[/] {out / 'compare.json'}, {out / 'tables.txt'}, {out / 'summary.md'}, "
+                  + ", ".join(plots.values()))
+    return report
