@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU half of issue 7, prepared for a session with a CUDA GPU (not run yet: no GPU was available when written).
 #
-#   bash bench/gpu_run.sh                 # all sizes; ~15-20 min on an H200 (6 fresh processes per size)
-#   bash bench/gpu_run.sh 0.5b,1.5b       # one call under a 10-minute limit
-#   bash bench/gpu_run.sh 7b              # then this one (builds a 15 GB random-init model in $DELFT_BENCH_MODELS)
+#   bash bench/gpu_run.sh                 # all sizes (6 fresh processes per size, each loads + quantises)
+#   bash bench/gpu_run.sh 0.5b,1.5b       # estimated ~5 min on an H200: fits one 10-minute call
+#   bash bench/gpu_run.sh 7b              # estimated ~7 min (builds a 15 GB random-init model in $DELFT_BENCH_MODELS)
+# (estimates, not measured: the code path was only dry-run on a CPU with DELFT_BENCH_DEVICE=cpu --sizes tiny)
 #
 # Installs bitsandbytes / liger-kernel / trl from a folder of .whl files when one is present ($WHEELS, ./wheels,
 # ./shared/wheels, /work/shared/wheels), since the GPU machine may have no network. Results accumulate in
