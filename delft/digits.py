@@ -22,14 +22,9 @@ RUN_CHARS = DIGITS + "."
 FRACTION_DECAY = 1.02  # DEL's fraction weights: 1.02 ** -(i + 1)
 
 
-def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
-    """Place of every position (None for non-digits, dots and anything outside a number).
-
-    ``chars`` holds one character (or None) per position; None and any character outside '0'..'9' and '.'
-    end a run. Example: list("x12.57.") -> [None, 2, 1, None, -1, -2, None].
-    """
-    places: list[Optional[int]] = [None] * len(chars)
-    start = 0
+def number_runs(chars: Sequence[Optional[str]]) -> list[tuple[int, int]]:
+    """[start, end) of every maximal run of '0'..'9' and '.' (None and other characters end a run)."""
+    runs, start = [], 0
     while start < len(chars):
         if chars[start] is None or chars[start] not in RUN_CHARS:
             start += 1
@@ -37,6 +32,19 @@ def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
         end = start
         while end < len(chars) and chars[end] is not None and chars[end] in RUN_CHARS:
             end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
+    """Place of every position (None for non-digits, dots and anything outside a number).
+
+    ``chars`` holds one character (or None) per position; None and any character outside '0'..'9' and '.'
+    end a run. Example: list("x12.57.") -> [None, 2, 1, None, -1, -2, None].
+    """
+    places: list[Optional[int]] = [None] * len(chars)
+    for start, end in number_runs(chars):
         run = chars[start:end]
         point = next((j for j, c in enumerate(run) if c == "."), None)
         if point == 0:
@@ -48,7 +56,6 @@ def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
                 places[start + j] = len(run) - j
             else:
                 places[start + j] = point - j if j < point else -(j - point)
-        start = end
     return places
 
 

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from delft import __version__
-from delft.digits import DIGITS, RUN_CHARS, DigitVocab, place_name, run_places
+from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
 
 PURPOSE = "per-digit inspection"
@@ -126,14 +126,7 @@ def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: Digit
     number: list[Optional[int]] = [None] * n
     place: list[Optional[int]] = [None] * n
     count = 0
-    j = 0
-    while j < len(keep):
-        if kept_chars[j] is None or kept_chars[j] not in RUN_CHARS:
-            j += 1
-            continue
-        end = j
-        while end < len(keep) and kept_chars[end] is not None and kept_chars[end] in RUN_CHARS:
-            end += 1
+    for j, end in number_runs(kept_chars):
         run = range(j, end)
         if any(kept_chars[k] in DIGITS for k in run):
             for k in run:
@@ -143,7 +136,6 @@ def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: Digit
                 elif k > j and any(kept_chars[m] in DIGITS for m in range(k + 1, end)):
                     kind[i], number[i] = "point", count
             count += 1
-        j = end
     return kind, number, place
 
 

@@ -396,7 +396,7 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
                   f"torch peak allocated {est['peak_allocated'] / GiB:.2f} GiB + slack + context")
     console.print(table)
     console.print(f"[dim]config: {source}. Upper bound on the data side: rows padded to data.max_length, every "
-                  f"position labelled. Calibrated on H200 measurements (README.md, "Performance"); a GPU plan even when "
+                  f"position labelled. Calibrated on H200 measurements (README.md, Performance); a GPU plan even when "
                   f"this machine has none.[/]", highlight=False)
     if s["experts"] > 1:
         console.print("[yellow]mixture-of-experts: expert weights counted, activations as if dense (rough).[/]")
