@@ -268,13 +268,20 @@ class Tokenized:
     truncated: bool = False
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a rendered prompt, the same in training, eval and inspect: no special tokens added, except
+    a BOS for tokenizers that ask for one (Llama-2 style) when the text lacks it."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
+
+
 def tokenize_example(example: Example, tokenizer, cfg) -> Tokenized:
     """Prompt and completion are tokenized apart so the mask boundary is exact."""
     prompt, completion = render_pair(example, tokenizer, cfg)
-    p_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) and \
-            (not p_ids or p_ids[0] != tokenizer.bos_token_id):
-        p_ids = [tokenizer.bos_token_id] + p_ids
+    p_ids = prompt_ids(tokenizer, prompt)
     c_ids = tokenizer.encode(completion, add_special_tokens=False)
     ids = p_ids + c_ids
     labels = (list(p_ids) if cfg.train_on_prompt else [IGNORE] * len(p_ids)) + list(c_ids)

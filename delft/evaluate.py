@@ -19,6 +19,7 @@ from rich.table import Table
 from delft import __version__
 from delft.answers import (CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, Scored, canonical, cut_at_stop, extract_answer,
                            paired_difference, parse_number, place_order, score, summarize)
+from delft.data import prompt_ids
 from delft.digits import place_name
 from delft.errors import UserError
 
@@ -222,16 +223,6 @@ class _StopOnStrings:
             text = self.tokenizer.decode(row, skip_special_tokens=True)
             done.append(cut_at_stop(text, self.stops) != text)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a rendered prompt exactly as training saw them (delft.data.tokenize_example): no special
-    tokens added, except a BOS for tokenizers that ask for one (Llama-2 style) when the text lacks it."""
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
-        ids = [bos] + ids
-    return ids
 
 
 def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from delft import __version__
+from delft.data import prompt_ids
 from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
 
@@ -87,15 +88,6 @@ def check_target(target: str) -> str:
         raise UserError(f"target is not a number: {target!r}", "--target",
                         'Give the answer as a plain number, e.g. --target 391, --target -3.5 or --target 1,234.')
     return text
-
-
-def prompt_ids(tokenizer, prompt_text: str) -> list[int]:
-    """Token ids of a rendered prompt exactly as training builds them (delft.data.tokenize_example)."""
-    ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-    if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) and \
-            (not ids or ids[0] != tokenizer.bos_token_id):
-        ids = [tokenizer.bos_token_id] + ids
-    return ids
 
 
 def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) -> set[int]:
