@@ -29,7 +29,7 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
-from delft.recipe import Recipe, load_recipe, recipe_chain
+from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
 
 DEFAULT_TRANSFER = "../shared/data/svamp.json"  # relative to the repository root (shared/ beside the checkout)
 DEFAULT_TRANSFER_FORMAT = "svamp"
@@ -70,20 +70,9 @@ class Column:
 # ------------------------------------------------------------------------------------------ recipes
 
 
-def flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _comparable(recipe: Recipe) -> dict[str, Any]:
     """Every resolved key except the loss section and the free keys."""
-    return {k: v for k, v in flat(recipe.to_dict()).items()
+    return {k: v for k, v in flat_keys(recipe.to_dict()).items()
             if not k.startswith("loss.") and k != "loss" and k not in FREE_KEYS}
 
 
@@ -138,9 +127,7 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
 
 
 def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
-    saved = load_recipe(run_dir / "recipe.yaml")
-    a, b = flat(saved.to_dict()), flat(cfg.to_dict())
-    return [k for k in sorted(set(a) | set(b)) if not k.startswith("eval") and a.get(k) != b.get(k)]
+    return sorted(recipe_differences(load_recipe(run_dir / "recipe.yaml"), cfg, ignore=("eval",)))
 
 
 def _last_rows(run_dir: Path) -> dict:

@@ -304,5 +304,25 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     return validate_recipe(data, where)
 
 
+def flat_keys(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: {"train": {"seed": 0}} -> {"train.seed": 0}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_keys(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def recipe_differences(old: Recipe, new: Recipe, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys whose values differ, skipping keys equal to or under any prefix in ``ignore``."""
+    a, b = flat_keys(old.to_dict()), flat_keys(new.to_dict())
+    keys = list(a) + [k for k in b if k not in a]
+    return [k for k in keys
+            if not any(k == p or k.startswith(p + ".") for p in ignore) and a.get(k) != b.get(k)]
+
+
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

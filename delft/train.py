@@ -22,7 +22,7 @@ from typing import Optional
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.recipe import Recipe, dump_recipe, load_recipe
+from delft.recipe import Recipe, dump_recipe, load_recipe, recipe_differences
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -43,21 +43,9 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return ckpts[-1] if ckpts else None
 
 
-def _recipe_differences(old: Recipe, new: Recipe) -> list[str]:
-    """Keys that differ, ignoring the ones a resume may change (length of training, logging cadence)."""
-    free = {"train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps", "train.save_steps",
-            "train.keep_checkpoints", "eval"}
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and key != "eval":
-                yield from flat(v, key + ".")
-            else:
-                yield key, v
-
-    a, b = dict(flat(old.to_dict())), dict(flat(new.to_dict()))
-    return [k for k in a if k not in free and a.get(k) != b.get(k)]
+# Keys a resume may change: the length of training and the logging cadence.
+RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps",
+                    "train.save_steps", "train.keep_checkpoints", "eval")
 
 
 def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool, console: Console) -> tuple[Path, Optional[Path]]:
@@ -79,7 +67,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool, console
                         "Choose another output.dir (e.g. --set output.dir=runs/new) or pass --force to replace it.")
     if ckpt is not None and resume is not False:
         saved = load_recipe(run_dir / "recipe.yaml")
-        diff = _recipe_differences(saved, recipe)
+        diff = recipe_differences(saved, recipe, RESUME_FREE_KEYS)
         if diff:
             raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
                             "differ)", "output.dir",

@@ -9,7 +9,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from delft.cli import app
-from delft.compare import flat, resolve_contenders, run_compare
+from delft.compare import resolve_contenders, run_compare
+from delft.recipe import flat_keys
 from delft.errors import UserError
 
 COMPARE = Path(__file__).parent.parent / "recipes" / "compare"
@@ -25,7 +26,7 @@ def test_shipped_compare_recipes_differ_only_in_loss():
     settings = []
     for c in contenders:
         assert c.recipe.loss.type == c.name
-        d = flat(c.recipe.to_dict())
+        d = flat_keys(c.recipe.to_dict())
         assert d.pop("output.dir") == f"runs/compare/{c.name}-seed0"
         settings.append({k: v for k, v in d.items() if not k.startswith("loss.")})
     assert all(s == settings[0] for s in settings[1:])
