@@ -233,7 +233,7 @@ def run_delft(spec: dict) -> dict:
     if gpu:
         from delft.digits import DigitVocab
         from delft.losses import resolve_fused
-        from delft.models import ModelRef, apply_lora, load_model
+        from delft.models import ModelRef, apply_liger_layers, apply_lora, load_model
         from delft.recipe import validate_recipe
 
         size = spec["size"]
@@ -246,15 +246,17 @@ def run_delft(spec: dict) -> dict:
         path = gpu_model_dir(size)
         torch.manual_seed(0)
         model = load_model(ModelRef(size, str(path), True), device, torch.bfloat16, "nf4", True)
+        fused = resolve_fused(recipe.train.fused_loss, device)
+        if fused:  # as delft train does: the same layer kernels as the Liger peer
+            apply_liger_layers(model)
         model = apply_lora(model, recipe.lora, True)
         batches = gpu_batch(size, spec["warmup"] + spec["steps"])
-        fused = resolve_fused(recipe.train.fused_loss, device)
     else:
         from delft.train import build_model, setup
 
         recipe = cpu_recipe(loss_type, packed)
         s = setup(recipe, quiet)
-        model, _ = build_model(s, quiet)
+        model, _, _ = build_model(s, quiet)
         vocab, device, fused = s.spec.vocab, "cpu", False
         B, T, pad = CPU_SETUP["batch"], CPU_SETUP["max_length"], s.tokenizer.pad_token_id
         n = spec["warmup"] + spec["steps"]
@@ -299,7 +301,7 @@ def run_paired(spec: dict) -> dict:
     quiet = Console(file=open(os.devnull, "w"))
     recipe = cpu_recipe("del")
     s = setup(recipe, quiet)
-    model, _ = build_model(s, quiet)
+    model, _, _ = build_model(s, quiet)
     model.train()
     specs = {k: make_term(LossConfig(type=k), s.spec.vocab) for k in ("ce", "del")}
     params = [p for p in model.parameters() if p.requires_grad]

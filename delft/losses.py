@@ -13,6 +13,7 @@ run, so the gradient does not depend on how the batch is split. ``loss_sums`` gi
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -211,29 +212,47 @@ def chunked_ce_sum(hidden: Tensor, lm_head: nn.Module, targets: Tensor, chunk_si
     return total
 
 
+def liger_importable() -> bool:
+    """liger-kernel and Triton import (they need no GPU to import; kernels need CUDA or the interpreter)."""
+    try:
+        import liger_kernel.transformers.fused_linear_cross_entropy  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def triton_interpreter() -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (slowly, in numpy): how the fused path is tested here."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def resolve_fused(mode: str, device) -> bool:
-    """Whether to use Liger's fused linear CE: 'auto' if CUDA and liger_kernel; 'on' insists; 'off' never."""
+    """Whether to use Liger kernels (fused linear CE + layer kernels).
+
+    'auto': on CUDA when liger-kernel imports. 'on': insists; also allowed on the CPU under the Triton
+    interpreter (TRITON_INTERPRET=1), which is far too slow to train with but runs the very same kernels,
+    so the tests can check the fused path against the chunked one without a GPU. 'off': never.
+    """
     if mode == "off":
         return False
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
-    try:
-        import liger_kernel.transformers.fused_linear_cross_entropy  # noqa: F401
-        have_liger = True
-    except Exception:
-        have_liger = False
+    have_liger = liger_importable()
     if cuda and have_liger:
         return True
+    if mode == "on" and have_liger and triton_interpreter():
+        return True
     if mode == "on":
-        why = "no CUDA device" if not cuda else "liger-kernel is not installed (or Triton is missing)"
+        why = ("liger-kernel is not installed (or Triton is missing)" if not have_liger else
+               "there is no CUDA device (and TRITON_INTERPRET=1 is not set)")
         raise UserError(f"train.fused_loss is 'on' but {why}",
                         fix="Set train.fused_loss: auto (falls back to chunked CE) or install liger-kernel "
-                        "on a CUDA machine.")
+                        "(pip install 'delft[gpu]') on a CUDA machine.")
     return False
 
 
 def _liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor) -> Tensor:
-    # Untested here (no GPU on the CI machine): Liger computes the CE gradient chunk by chunk in the forward
-    # pass, so the [N, V] logits never exist. API: forward(lin_weight, _input, target, bias=None).
+    # Liger computes the CE gradient chunk by chunk in the forward pass, so the [N, V] logits never exist.
+    # API: forward(lin_weight, _input, target, bias=None). Tested on the CPU under TRITON_INTERPRET=1.
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
     out = LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, targets, bias)

@@ -256,6 +256,26 @@ def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
                         "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
 
 
+def apply_liger_layers(model, kernels: tuple[str, ...] = ("rms_norm", "swiglu", "rope")) -> list[str]:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels on this model instance; returns what was applied.
+
+    gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope") owes part of its low peak to these kernels:
+    they keep fewer activations for backward than the eager layers. delft uses its own fused CE + digit term
+    (losses.loss_sums), so Liger's CE patches stay off. Call before LoRA wraps the model. The RoPE patch
+    replaces the module-level function of the architecture's modeling file (Liger's design), so it holds
+    for every model of that type in this process.
+    """
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return []
+    # The instance API (what transformers' Trainer uses for use_liger_kernel) patches this model's modules.
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False,
+                                    **{k: k in kernels for k in ("rms_norm", "swiglu", "rope")})
+    return list(kernels)
+
+
 def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool = False):
     """Wrap in peft LoRA. Checkpointing needs input grads, or LoRA + checkpointing silently trains nothing."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training

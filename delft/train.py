@@ -304,7 +304,9 @@ def setup(recipe: Recipe, console: Console) -> Setup:
 
 
 def build_model(s: Setup, console: Console):
-    from delft.models import apply_lora, load_model, resolve_dtype
+    """(model with LoRA, dtype, Liger kernels in use: [] or ["fused_linear_ce", "rms_norm", ...])."""
+    from delft.losses import resolve_fused
+    from delft.models import apply_liger_layers, apply_lora, load_model, resolve_dtype
 
     r = s.recipe
     dtype = resolve_dtype(r.model.dtype, s.device)
@@ -313,9 +315,12 @@ def build_model(s: Setup, console: Console):
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
     model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
                        r.model.revision, r.model.trust_remote_code)
+    kernels = ["fused_linear_ce"] + apply_liger_layers(model) if resolve_fused(r.train.fused_loss, s.device) else []
+    if kernels:
+        console.print(f"[bold]kernels[/] Liger {', '.join(kernels)}")
     model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
     model.train()  # HF skips gradient checkpointing in eval mode (gpu.md: 25 GiB instead of 8.6)
-    return model, dtype
+    return model, dtype, kernels
 
 
 def describe(s: Setup, model, dtype, console: Console) -> None:
@@ -345,14 +350,14 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     from transformers import get_scheduler
 
     from delft.data import collate, collate_packed
-    from delft.losses import resolve_fused
     from delft.models import architecture
 
     console = console or Console()
     run_dir, ckpt = prepare_run_dir(recipe, resume, force, console)
     random.seed(recipe.train.seed)
     s = setup(recipe, console)
-    model, dtype = build_model(s, console)
+    model, dtype, kernels = build_model(s, console)
+    fused = bool(kernels)
     describe(s, model, dtype, console)
 
     t = recipe.train
@@ -371,10 +376,9 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     info = {"status": "running", "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
             "architecture": architecture(model.get_base_model().config), "quantization": s.quantization,
             "loss": recipe.loss.type, "loss_weight": recipe.loss.weight, "step": start,
-            "total_steps": plan.total_steps, "data": asdict(s.stats)}
+            "total_steps": plan.total_steps, "liger_kernels": kernels, "data": asdict(s.stats)}
     write_atomic(run_dir / "delft_run.json", json.dumps(info, indent=2))
     pad_id = s.tokenizer.pad_token_id
-    fused = resolve_fused(t.fused_loss, s.device)
 
     def batch(index):
         items = micro_batch_items(s.train, recipe, plan, index)

@@ -334,5 +334,9 @@ def test_make_term_and_fused_resolution(vocab):
     with pytest.raises(UserError, match="single-token digits"):
         make_term(LossConfig(type="del"), None)
     assert resolve_fused("off", "cpu") is False and resolve_fused("auto", "cpu") is False
-    with pytest.raises(UserError, match="fused_loss"):
+
+
+def test_fused_on_without_cuda_or_interpreter_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="fused_loss.*no CUDA"):
         resolve_fused("on", "cpu")

@@ -1,0 +1,109 @@
+"""The Liger path (fused linear CE + RMSNorm/SwiGLU/RoPE kernels) against delft's pure-torch path.
+
+There is no GPU here, so conftest sets TRITON_INTERPRET=1: Triton runs the very same Liger kernels on the
+CPU (slowly, hence tiny shapes). On a GPU, bench/train_bench.py compares the two paths again (delft_del vs
+delft_del_chunked).
+"""
+
+import json
+
+import pytest
+import torch
+
+from delft.digits import DigitVocab
+from delft.losses import LossSpec, loss_sums, resolve_fused
+from delft.recipe import load_recipe
+from delft.train import run_training
+from test_train import adapter_weights, recipe_file
+from tiny import build_model, build_tokenizer
+
+
+@pytest.fixture
+def restore_llama_module(monkeypatch):
+    """Liger's patches replace names in transformers' modeling_llama module; put them back afterwards."""
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+
+
+def test_interpreter_is_what_runs_here():
+    assert resolve_fused("on", "cpu") is True  # liger-kernel installed (dev extra) + TRITON_INTERPRET=1
+    assert resolve_fused("auto", "cpu") is False  # never the (slow) interpreter unless asked for
+
+
+def test_fused_ce_and_digit_term_match_the_chunked_path():
+    tok = build_tokenizer()
+    vocab = DigitVocab.from_tokenizer(tok)
+    torch.manual_seed(0)
+    V, H = len(tok), 24
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(3, 11, H, requires_grad=True)
+    labels = torch.randint(0, V, (3, 11))
+    labels[0, :4] = -100
+    labels[2, 5:] = torch.tensor(tok.convert_tokens_to_ids(list("12.507")))
+    spec = LossSpec("del", 0.3, 1.0, vocab)
+
+    def run(fused):
+        hidden.grad, head.weight.grad = None, None
+        out = loss_sums(hidden, head, labels, spec, chunk_size=5, fused=fused)
+        (out["ce_sum"] / out["n_labels"] + spec.weight * out["term_sum"] / out["n_digits"]).backward()
+        return out, hidden.grad.clone(), head.weight.grad.clone()
+
+    ref, ref_h, ref_w = run(False)
+    out, g_h, g_w = run(True)
+    assert ref["n_digits"] >= 6 and out["n_labels"] == ref["n_labels"] == 29
+    torch.testing.assert_close(out["ce_sum"], ref["ce_sum"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["term_sum"], ref["term_sum"])
+    torch.testing.assert_close(g_h, ref_h, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(g_w, ref_w, rtol=1e-4, atol=1e-6)
+
+
+def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_llama_module):
+    from delft.losses import make_term
+    from delft.models import apply_liger_layers, apply_lora
+    from delft.recipe import LoraConfig, LossConfig
+    from delft.train import forward_sums
+
+    tok = build_tokenizer()
+    spec = make_term(LossConfig(type="del"), DigitVocab.from_tokenizer(tok))
+    ids = torch.tensor([tok.encode("12+7=19 and 305"), tok.encode("x=3.25 ok! 4000")])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "position_ids": torch.tensor([list(range(6)) + list(range(9)), list(range(15))])}  # one packed row
+
+    def grads(liger: bool):
+        model = build_model(tok, hidden=32, layers=2)
+        applied = apply_liger_layers(model) if liger else []
+        torch.manual_seed(1)
+        model = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), gradient_checkpointing=True)
+        model.train()
+        out = forward_sums(model, batch, spec, chunk_size=8, fused=liger)
+        loss = out["ce_sum"] / out["n_labels"] + spec.weight * out["term_sum"] / out["n_digits"]
+        loss.backward()
+        return applied, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    _, ref_loss, ref = grads(False)
+    applied, loss, got = grads(True)
+    assert applied == ["rms_norm", "swiglu", "rope"]
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    assert set(got) == set(ref) and len(ref) > 0
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model_dir, restore_llama_module):
+    runs = {}
+    for mode in ("off", "on"):
+        path = recipe_file(tmp_path, tiny_model_dir, name=mode, lora={"dropout": 0.0},
+                           data={"synthetic": {"n": 16, "max_digits": 2}, "val_size": 2},
+                           train={"max_steps": 3, "batch_size": 2, "eval_steps": 3, "fused_loss": mode})
+        runs[mode] = run_training(load_recipe(path))
+    curves = {m: [json.loads(ln)["loss"] for ln in (r / "metrics.jsonl").read_text().splitlines()
+                  if '"loss"' in ln] for m, r in runs.items()}
+    assert len(curves["on"]) == 3
+    kernels = {m: json.loads((r / "delft_run.json").read_text())["liger_kernels"] for m, r in runs.items()}
+    assert kernels == {"off": [], "on": ["fused_linear_ce", "rms_norm", "swiglu", "rope"]}
+    assert curves["on"] == pytest.approx(curves["off"], rel=1e-4)
+    a, b = adapter_weights(runs["on"]), adapter_weights(runs["off"])
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
