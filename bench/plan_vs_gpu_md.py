@@ -23,6 +23,8 @@ from delft import plan  # noqa: E402
 
 def main():
     rows = plan.calibration_table()
+    liger = [dict(measured_liger_ce_gib=r["measured_gib"], **{k: v for k, v in r.items() if k != "measured_gib"})
+             for r in plan.liger_calibration_table("del")]
     report = dict(
         source="docs gpu.md (H200, torch 2.11 cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2; "
                "random-init Qwen2 shapes, nf4 + double quant, bf16, LoRA r=16 all-linear, no dropout, "
@@ -37,6 +39,14 @@ def main():
         max_abs_error=max(abs(r["error"]) for r in rows),
         max_abs_error_without_leftover=max(abs(r["error_without_leftover"]) for r in rows),
         within_20_percent=all(abs(r["error"]) <= 0.2 for r in rows),
+        liger=dict(
+            what="delft's fused path (Liger fused linear CE + RMSNorm/SwiGLU/RoPE kernels, DEL on) estimated on the "
+                 "shapes of gpu.md's 'Liger kernels, CE only' rows. LIGER_LAYER_FIT was fitted to those rows, so "
+                 "the ratio is the plan's prediction for delft_del / liger_ce, not a measurement.",
+            LIGER_LAYER_FIT=plan.LIGER_LAYER_FIT,
+            rows=liger,
+            predicted_max_ratio=max(r["ratio"] for r in liger),
+        ),
     )
     out = ROOT / "bench" / "results" / "plan_vs_gpu_md.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +56,10 @@ def main():
         print(f"{r['model']:<6}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['measured_gib']:>10.2f}"
               f"{r['estimate_gib']:>10.2f}{r['estimate_plus_leftover_gib']:>11.2f}{r['error']:>+8.1%}"
               f"{r['error_without_leftover']:>+11.1%}")
+    print("\ndelft DEL, fused path (predicted) vs gpu.md's Liger CE-only peak (the fit's own rows)")
+    for r in liger:
+        print(f"{r['model']:<6}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['measured_liger_ce_gib']:>10.2f}"
+              f"{r['estimate_gib']:>10.2f}{r['ratio']:>8.2f}x")
     print(f"wrote {out.relative_to(ROOT)}")
 
 

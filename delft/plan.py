@@ -9,10 +9,11 @@ No weights are loaded and torch is not imported. The estimate follows what delft
     loss       one chunk of the output layer (chunk x vocab: bf16 logits, their fp32 copy, fp32 log-softmax) or
                Liger's fused linear CE, plus the final hidden states and the digit rows
     backward   one layer recomputed and back-propagated (attention via SDPA, no seq x seq matrix), plus the
-               bf16 copy bitsandbytes dequantises a 4-bit weight into
+               bf16 copy bitsandbytes dequantises a 4-bit weight into; lighter with Liger's layer kernels
 
-The per-token cost of the recomputed layer (LAYER_BYTES) is calibrated on the H200 measurements of docs gpu.md
-(CALIBRATION below); the other terms are counted, not fitted. Everything is an upper bound on the data side: each
+The per-token cost of the recomputed layer is calibrated on the H200 measurements of docs gpu.md: LAYER_FIT on
+the eager "chunked" rows (CALIBRATION), LIGER_LAYER_FIT on the Liger rows (LIGER_CALIBRATION); the other terms
+are counted, not fitted. Everything is an upper bound on the data side: each
 row padded to data.max_length and every position labelled.
 """
 
@@ -38,6 +39,10 @@ LORA_BYTES = 4 + 4 + 8  # fp32 weight, its gradient, AdamW exp_avg and exp_avg_s
 # of fp32 input copies made by peft's LoRA (adapters are fp32), ~12 I of gradients in flight; = 44 H + 24 I.
 # Scaled by LAYER_FIT, the one constant fitted to gpu.md (see CALIBRATION; 1.3-1.45 all stay within 10 %).
 LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
+# With Liger's RMSNorm / SwiGLU / RoPE kernels (on whenever the fused CE is: delft.models.apply_liger_layers) a
+# layer keeps far fewer intermediates (no fp32 norm copies, no silu(gate) tensor, no rotate_half temporaries).
+# Fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.55-0.65 keeps all within 6 %.
+LIGER_LAYER_FIT = 0.6
 CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context + cuBLAS workspace: outside torch.cuda.max_memory_allocated
 ALLOCATOR_SLACK = 0.08  # caching-allocator fragmentation: reserved exceeds allocated by a few percent
 
@@ -63,6 +68,14 @@ CALIBRATION = [
     dict(model="1.5b", batch=4, seq=1024, measured_gib=4.05, leftover_logits_of="gather"),
     dict(model="7b", batch=1, seq=1024, measured_gib=7.67, leftover_logits_of="gather"),
     dict(model="7b", batch=1, seq=4096, measured_gib=12.08, leftover_logits_of="ce"),
+]
+
+# gpu.md's "Liger kernels (fused linear CE, rms_norm, swiglu, rope), CE only" rows: the peer delft's fused path
+# must stay within 1.1x of. Two more probe runs of the same configs gave 2.32 (1.5B) and 8.51 GiB (7B).
+LIGER_CALIBRATION = [
+    dict(model="0.5b", batch=8, seq=512, measured_gib=1.11),
+    dict(model="1.5b", batch=4, seq=1024, measured_gib=2.49),
+    dict(model="7b", batch=1, seq=4096, measured_gib=7.87),
 ]
 
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -125,8 +138,8 @@ def _dtype_bytes(dtype: str) -> int:
 def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fraction: float = 1.0) -> dict:
     """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
 
-    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE (None: only when train.fused_loss is
-    'on'). ``label_fraction`` is the share of positions with a label (1.0: the upper bound). Keys: weights_nf4,
+    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (None: only when
+    train.fused_loss is 'on'). ``label_fraction`` is the share of positions with a label (1.0: the upper bound). Keys: weights_nf4,
     weights_16bit, lora_optimizer, activations, loss, layer_backward, peak_allocated (what
     torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
     """
@@ -153,7 +166,8 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
     tokens = B * T
     n_lab = max(1, math.ceil(tokens * label_fraction))
     scale = d / 2  # activations were counted for 16-bit compute
-    layer_tok = LAYER_FIT * (LAYER_H * H + LAYER_I * I) * scale
+    use_fused = (t.fused_loss == "on") if fused is None else fused
+    layer_tok = (LIGER_LAYER_FIT if use_fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * scale
     if lo.dropout > 0:  # peft's dropout keeps an fp32 copy of each LoRA input and its mask
         layer_tok += sum(a for k, (a, _) in lin.items() if k in _lora_targets(lo.target_modules)) * 5
     if t.gradient_checkpointing:
@@ -165,7 +179,6 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
     if nf4:  # bitsandbytes dequantises a 4-bit weight to a 16-bit copy for each matmul (forward and backward)
         layer_backward += 2 * max(a * b for a, b in lin.values()) * d
 
-    use_fused = (t.fused_loss == "on") if fused is None else fused
     logit_d = 4 if upcast else d
     out_hidden = tokens * H * (d + 4) + n_lab * H * d  # final hidden (and the norm's fp32 input), labelled rows
     digit_rows = n_lab * H * (d + 4)  # upper bound: digit rows gathered and upcast for the ten-row digit logits
@@ -205,6 +218,27 @@ def calibration_table() -> list[dict]:
                          estimate_plus_leftover_gib=round(estimate + leftover / GiB, 3),
                          error=round((estimate + leftover / GiB) / c["measured_gib"] - 1, 4),
                          error_without_leftover=round(estimate / c["measured_gib"] - 1, 4),
+                         components_gib={k: round(v / GiB, 3) for k, v in est.items()}))
+    return rows
+
+
+def liger_calibration_table(loss_type: str = "ce") -> list[dict]:
+    """plan_memory with the fused path against gpu.md's Liger CE-only rows, in GiB (``loss_type`` 'del': delft's
+    DEL step on the same shapes, so estimate / measured is the predicted ratio to the Liger peer)."""
+    from delft.recipe import validate_recipe
+
+    rows = []
+    for c in LIGER_CALIBRATION:
+        recipe = validate_recipe({
+            "model": {"dtype": "bfloat16"}, "quantization": {"mode": "nf4", "double_quant": True},
+            "lora": {"r": 16, "dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"max_length": c["seq"]},
+            "train": {"batch_size": c["batch"], "fused_loss": "on", "gradient_checkpointing": True},
+            "loss": {"type": loss_type}})
+        est = plan_memory(QWEN2[c["model"]], recipe, fused=True)
+        estimate = est["peak_allocated"] / GiB
+        rows.append(dict(**c, loss=loss_type, estimate_gib=round(estimate, 3),
+                         ratio=round(estimate / c["measured_gib"], 4),
                          components_gib={k: round(v / GiB, 3) for k, v in est.items()}))
     return rows
 
@@ -319,7 +353,7 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
         total = plan_memory(config, recipe, True)["total"]
         if total <= budget:
             out.append(dict(knob="pip install liger-kernel", to="train.fused_loss: auto", total=total,
-                            saves=base - total, note="fused linear CE on CUDA"))
+                            saves=base - total, note="Liger fused CE + layer kernels on CUDA"))
     if out:
         return out
     # no single knob suffices: turn them together, biggest saving first
@@ -377,7 +411,8 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
           else "every layer keeps its activations (no checkpointing; rough)")),
         ("loss" + ("" if phase_loss else " (not at the peak)"), est["loss"], loss_name + ", final hidden, digit rows"),
         ("layer backward" + ("" if not phase_loss else " (not at the peak)"), est["layer_backward"],
-         "one layer recomputed and back-propagated" + (" + dequantised weight" if nf4 else "")),
+         "one layer recomputed and back-propagated" + (" with Liger's layer kernels" if fused else "")
+         + (" + dequantised weight" if nf4 else "")),
         ("allocator slack", est["allocator_slack"], f"{ALLOCATOR_SLACK:.0%} fragmentation"),
         ("CUDA context", est["cuda_context"], "driver, kernels, cuBLAS workspace"),
     ]
