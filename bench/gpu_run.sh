@@ -6,26 +6,29 @@
 #   bash bench/gpu_run.sh 7b              # estimated ~7 min (builds a 15 GB random-init model in $DELFT_BENCH_MODELS)
 # (estimates, not measured: the code path was only dry-run on a CPU with DELFT_BENCH_DEVICE=cpu --sizes tiny)
 #
-# Installs bitsandbytes / liger-kernel / trl from a folder of .whl files when one is present ($WHEELS, ./wheels,
-# ./shared/wheels, /work/shared/wheels), since the GPU machine may have no network. Results accumulate in
-# bench/results/train_bench_gpu.json (each configuration is written as soon as it finishes).
+# Installs bitsandbytes / liger-kernel / trl from a folder of .whl files when one is present ($WHEELS, ./.whl,
+# ./wheels, ./shared/wheels, /work/shared/wheels), since the GPU machine has no network. To fill ./.whl (py3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_24_x86_64 --platform any -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5 trl==1.16.0
+# Results accumulate in bench/results/train_bench_gpu.json (each configuration is written as soon as it finishes)
+# and are copied to $OUT when the device tool sets it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SIZES="${1:-0.5b,1.5b,7b}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export DELFT_BENCH_MODELS="${DELFT_BENCH_MODELS:-/tmp}"
 
-for dir in "${WHEELS:-}" wheels shared/wheels /work/shared/wheels; do
+for dir in "${WHEELS:-}" .whl wheels shared/wheels /work/shared/wheels; do
   if [ -n "$dir" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
-    echo "installing from $dir"
-    for pkg in bitsandbytes liger-kernel trl; do
-      python -m pip install -q --no-index --find-links "$dir" "$pkg" 2>&1 | tail -1 || echo "  ($pkg: not in $dir)"
-    done
+    echo "installing $(ls "$dir"/*.whl | xargs -n1 basename | tr '\n' ' ')from $dir into /tmp/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$dir"/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
     break
   fi
 done
 
-python - <<'PY' || exit 1
+python3 - <<'PY' || exit 1
 import importlib, torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
 print("gpu:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
@@ -38,4 +41,7 @@ for m in ("transformers", "peft", "bitsandbytes", "liger_kernel", "trl"):
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
-python bench/train_bench.py --gpu --sizes "$SIZES" --steps 6 --warmup 2 --timeout 300
+python3 bench/train_bench.py --gpu --sizes "$SIZES" --steps 6 --warmup 2 --timeout 300
+rc=$?
+if [ -n "${OUT:-}" ]; then cp bench/results/train_bench_gpu.json "$OUT"/ 2>/dev/null || true; fi
+exit $rc
