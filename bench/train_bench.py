@@ -723,6 +723,12 @@ def main_gpu(args):
         ce, de = res.get("delft_ce"), res.get("delft_del")
         extra = de["step_s"] / ce["step_s"] - 1 if ce and de and "error" not in ce and "error" not in de else None
         targets.append(target(f"{size}: DEL step extra time over delft CE", extra, 0.03, "max", "%"))
+        # fused (Liger) and chunked paths: same model init, same batches, so the same losses up to bf16 rounding
+        fu, ch = res.get("delft_del"), res.get("delft_del_chunked")
+        both = fu and ch and "error" not in fu and "error" not in ch and fu.get("fused_ce")
+        for at in ("loss_first", "loss_last"):
+            gap = abs(fu[at] / ch[at] - 1) if both else None
+            targets.append(target(f"{size}: fused vs chunked DEL path, {at} relative gap", gap, 0.01, "max", "%"))
     print_targets(targets)
     report.update(ratios=all_ratios, targets=targets, wall_s=time.time() - t0)
     out.write_text(json.dumps(report, indent=2) + "\n")
