@@ -41,7 +41,8 @@ LORA_BYTES = 4 + 4 + 8  # fp32 weight, its gradient, AdamW exp_avg and exp_avg_s
 LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
 # With Liger's RMSNorm / SwiGLU / RoPE kernels (on whenever the fused CE is: delft.models.apply_liger_layers) a
 # layer keeps far fewer intermediates (no fp32 norm copies, no silu(gate) tensor, no rotate_half temporaries).
-# Fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %, 0.55-0.65 within 7 %.
+# Fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %;
+# anything in 0.55-0.65 stays within 7 %.
 LIGER_LAYER_FIT = 0.6
 CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context + cuBLAS workspace: outside torch.cuda.max_memory_allocated
 ALLOCATOR_SLACK = 0.08  # caching-allocator fragmentation: reserved exceeds allocated by a few percent
