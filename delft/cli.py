@@ -39,6 +39,7 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(peft|transformers|torch)\..*")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "kernels-community" advisory on CPU
+    logging.getLogger("liger_kernel").setLevel(logging.ERROR)  # optional backends (CuTe DSL, Ascend) it lacks
 
 
 def friendly(fn):

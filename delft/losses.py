@@ -13,7 +13,6 @@ run, so the gradient does not depend on how the batch is split. ``loss_sums`` gi
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -24,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from delft.digits import DigitVocab, place_weight
 from delft.errors import UserError
+from delft.triton_cpu import interpreter_on, patch_interpreter
 
 IGNORE = -100
 TERM_TYPES = ("del", "ntl_was", "ntl_mse", "dist2")
@@ -221,11 +221,6 @@ def liger_importable() -> bool:
         return False
 
 
-def triton_interpreter() -> bool:
-    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (slowly, in numpy): how the fused path is tested here."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def resolve_fused(mode: str, device) -> bool:
     """Whether to use Liger kernels (fused linear CE + layer kernels).
 
@@ -239,14 +234,15 @@ def resolve_fused(mode: str, device) -> bool:
     have_liger = liger_importable()
     if cuda and have_liger:
         return True
-    if mode == "on" and have_liger and triton_interpreter():
+    if mode == "on" and have_liger and interpreter_on():
+        patch_interpreter()
         return True
     if mode == "on":
         why = ("liger-kernel is not installed (or Triton is missing)" if not have_liger else
                "there is no CUDA device (and TRITON_INTERPRET=1 is not set)")
         raise UserError(f"train.fused_loss is 'on' but {why}",
-                        fix="Set train.fused_loss: auto (falls back to chunked CE) or install liger-kernel "
-                        "(pip install 'delft[gpu]') on a CUDA machine.")
+                        fix="Set train.fused_loss: auto (falls back to chunked CE), or install liger-kernel "
+                        "(pip install liger-kernel) on a CUDA machine.")
     return False
 
 

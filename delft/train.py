@@ -50,17 +50,20 @@ RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "t
                     "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss", "eval")
 
 
-def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool, console: Console) -> tuple[Path, Optional[Path]]:
-    """Decide between a fresh run and a resume; never overwrite a user's run without --force."""
+def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
+                    console: Console) -> tuple[Path, Optional[Path], bool]:
+    """(run dir, checkpoint to resume or None, replace the existing dir?): a fresh run or a resume.
+
+    Never overwrites a user's run without --force, and even then only later, once the model and data have
+    loaded (``replace_run_dir``): a recipe mistake found while setting up must not cost the old run.
+    """
     run_dir = Path(recipe.output.dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     info_path = run_dir / "delft_run.json"
     status = json.loads(info_path.read_text()).get("status") if info_path.is_file() else None
     if force and exists:
-        console.print(f"[yellow]--force: replacing {run_dir}[/]")
-        shutil.rmtree(run_dir)
-        return run_dir, None
+        return run_dir, None, True
     if resume is True and ckpt is None:
         raise UserError(f"--resume was given but {run_dir} holds no checkpoint", "output.dir",
                         "Drop --resume to start a new run.")
@@ -75,12 +78,17 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool, console
                             "differ)", "output.dir",
                             "Use another output.dir, restore the recipe, or pass --force to start over.")
         console.print(f"[bold cyan]Resuming[/] from {ckpt} (pass --no-resume --force to start over).")
-        return run_dir, ckpt
+        return run_dir, ckpt, False
     if exists:
         what = "an interrupted run" if ckpt else "files"
         raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
                         "Choose another output.dir or pass --force to replace it.")
-    return run_dir, None
+    return run_dir, None, False
+
+
+def replace_run_dir(run_dir: Path, console: Console) -> None:
+    console.print(f"[yellow]--force: replacing {run_dir}[/]")
+    shutil.rmtree(run_dir)
 
 
 # ----------------------------------------------------------------------------- schedule of batches
@@ -355,7 +363,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     from delft.models import architecture
 
     console = console or Console()
-    run_dir, ckpt = prepare_run_dir(recipe, resume, force, console)
+    run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console)
     random.seed(recipe.train.seed)
     s = setup(recipe, console)
     model, dtype, kernels = build_model(s, console)
@@ -368,6 +376,8 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=plan.warmup_steps,
                               num_training_steps=plan.total_steps)
+    if replace:
+        replace_run_dir(run_dir, console)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     start = 0

@@ -8,41 +8,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # Run Liger's Triton kernels on the CPU (tests/test_liger.py). Must be set before Triton decorates them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    from delft.triton_cpu import patch_interpreter
 
-
-def _interpreter_passes_floats_as_fp32() -> None:
-    """Triton's interpreter hands a float kernel argument to the kernel as a Python float (its _implicit_cvt
-    wraps bools, ints and pointers only), so Liger kernels that write `eps.to(tl.float32)` fail there with
-    "'float' object has no attribute 'to'". Compiled Triton specialises such arguments to fp32 scalars; wrap
-    them the same way, in the tests only.
-    """
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except Exception:
-        return
-    original = interpreter._implicit_cvt
-
-    def implicit_cvt(arg):
-        if isinstance(arg, float):
-            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
-        return original(arg)
-
-    interpreter._implicit_cvt = implicit_cvt
-    # Liger's RMSNorm takes rsqrt from triton.language.extra.libdevice, a CUDA stub the interpreter does
-    # not implement (it returns None); triton.language.math.rsqrt is the same function, and the interpreter
-    # patches it in at each launch, so look it up then.
-    try:
-        import liger_kernel.ops.rms_norm as liger_rms_norm
-
-        liger_rms_norm.rsqrt = lambda x: tl.math.rsqrt(x)
-    except Exception:
-        pass
-
-
-if os.environ["TRITON_INTERPRET"] == "1":
-    _interpreter_passes_floats_as_fp32()
+    patch_interpreter()
+except ImportError:  # liger-kernel / Triton not installed: tests/test_liger.py fails and says so
+    pass
 
 from tiny import save_tiny  # noqa: E402
 

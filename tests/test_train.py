@@ -107,6 +107,18 @@ def test_existing_run_is_never_overwritten_without_force(tmp_path, tiny_model_di
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_force_keeps_the_old_run_when_the_new_one_cannot_start(tmp_path, tiny_model_dir, monkeypatch):
+    path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 2})
+    run = run_training(load_recipe(path))
+    before = adapter_weights(run)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # fused_loss: on, no CUDA: found after loading the model
+    with pytest.raises(UserError, match="fused_loss"):
+        run_training(load_recipe(path, ["train.fused_loss=on"]), force=True)
+    after = adapter_weights(run)
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
+
+
 def test_resume_refuses_a_changed_recipe(tmp_path, tiny_model_dir, monkeypatch):
     path = recipe_file(tmp_path, tiny_model_dir)
     monkeypatch.setattr(train_mod, "optimizer_step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
