@@ -21,10 +21,41 @@ sys.path.insert(0, str(ROOT))
 from delft import plan  # noqa: E402
 
 
+def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
+    """gpu.md's Liger rows from the plan's persistent terms + the layer cost counted on the CPU.
+
+    bench/layer_memory.py counts, per token, what one checkpointed LoRA layer allocates in recompute + backward
+    (Liger's layer kernels on). Swapping that in for the plan's fitted layer term (and keeping the nf4
+    dequantised-weight copy, which the CPU count does not see) estimates the Liger CE-only peak with no
+    constant fitted to GPU data.
+    """
+    path = ROOT / "bench" / "results" / "layer_memory_cpu.json"
+    if not path.is_file():
+        return None
+    measured = {r["shape"]: r for r in json.loads(path.read_text())["rows"]}
+    rows = []
+    for r in liger_rows:
+        c, cfg, m = r["components_gib"], plan.QWEN2[r["model"]], measured.get(r["model"])
+        if m is None:
+            continue
+        tokens = r["batch"] * r["seq"]
+        lin = plan._linears(plan.model_shape(cfg))
+        dequant = 2 * max(a * b for a, b in lin.values()) * 2 / plan.GiB
+        layer = m["liger"]["backward_increment_per_token"] * tokens / plan.GiB + dequant
+        persistent = c["weights_nf4"] + c["weights_16bit"] + c["lora_optimizer"] + c["activations"]
+        estimate = persistent + max(c["loss"], layer)
+        rows.append(dict(model=r["model"], batch=r["batch"], seq=r["seq"],
+                         measured_liger_ce_gib=r["measured_liger_ce_gib"], estimate_gib=round(estimate, 3),
+                         error=round(estimate / r["measured_liger_ce_gib"] - 1, 4), layer_gib=round(layer, 3),
+                         liger_over_eager_layer=m["liger_over_eager"]))
+    return dict(what=cpu_layer_cross_check.__doc__.split("\n\n")[1].replace("\n", " ").strip(), rows=rows)
+
+
 def main():
     rows = plan.calibration_table()
     liger = [dict(measured_liger_ce_gib=r["measured_gib"], **{k: v for k, v in r.items() if k != "measured_gib"})
              for r in plan.liger_calibration_table("del")]
+    cross = cpu_layer_cross_check(liger)
     report = dict(
         source="docs gpu.md (H200, torch 2.11 cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2; "
                "random-init Qwen2 shapes, nf4 + double quant, bf16, LoRA r=16 all-linear, no dropout, "
@@ -47,6 +78,7 @@ def main():
             rows=liger,
             predicted_max_ratio=max(r["ratio"] for r in liger),
         ),
+        liger_from_cpu_layer_memory=cross,
     )
     out = ROOT / "bench" / "results" / "plan_vs_gpu_md.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +92,11 @@ def main():
     for r in liger:
         print(f"{r['model']:<6}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['measured_liger_ce_gib']:>10.2f}"
               f"{r['estimate_gib']:>10.2f}{r['ratio']:>8.2f}x")
+    if cross:
+        print("\nthe same rows from the CPU-counted layer cost (bench/layer_memory.py), no GPU data fitted")
+        for r in cross["rows"]:
+            print(f"{r['model']:<6}{r['measured_liger_ce_gib']:>10.2f}{r['estimate_gib']:>10.2f}{r['error']:>+8.1%}"
+                  f"   (Liger kernels change the layer by {r['liger_over_eager_layer'] - 1:+.1%})")
     print(f"wrote {out.relative_to(ROOT)}")
 
 

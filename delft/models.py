@@ -270,9 +270,16 @@ def apply_liger_layers(model, kernels: tuple[str, ...] = ("rms_norm", "swiglu", 
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return []
-    # The instance API (what transformers' Trainer uses for use_liger_kernel) patches this model's modules.
+    # The instance API (what transformers' Trainer uses for use_liger_kernel) patches this model's modules, and
+    # also swaps the norm/MLP classes in the modeling file; put the classes back so that models built later in
+    # this process (delft compare evaluates after training) are built as usual. RoPE must stay patched: the
+    # attention code calls the module-level function.
+    modeling = sys.modules[type(model).__module__]
+    classes = {k: v for k, v in vars(modeling).items() if isinstance(v, type)}
     _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False,
                                     **{k: k in kernels for k in ("rms_norm", "swiglu", "rope")})
+    for name, cls in classes.items():
+        setattr(modeling, name, cls)
     return list(kernels)
 
 

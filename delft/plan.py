@@ -39,10 +39,11 @@ LORA_BYTES = 4 + 4 + 8  # fp32 weight, its gradient, AdamW exp_avg and exp_avg_s
 # of fp32 input copies made by peft's LoRA (adapters are fp32), ~12 I of gradients in flight; = 44 H + 24 I.
 # Scaled by LAYER_FIT, the one constant fitted to gpu.md (see CALIBRATION; 1.3-1.45 all stay within 10 %).
 LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
-# With Liger's RMSNorm / SwiGLU / RoPE kernels (on whenever the fused CE is: delft.models.apply_liger_layers) a
-# layer keeps far fewer intermediates (no fp32 norm copies, no silu(gate) tensor, no rotate_half temporaries).
-# Fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %;
-# anything in 0.55-0.65 stays within 7 %.
+# The layer constant of the fused path (Liger CE + RMSNorm / SwiGLU / RoPE kernels: models.apply_liger_layers),
+# fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %; anything in
+# 0.55-0.65 stays within 7 %. Not the kernels' doing: counted on the CPU (bench/layer_memory.py) they change a
+# layer's recompute + backward by 1-2 %, and that count alone predicts these rows within 7 %. The gap to LAYER_FIT
+# is more likely the eager 7B x 4096 row it was fitted to (README, Performance).
 LIGER_LAYER_FIT = 0.6
 CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context + cuBLAS workspace: outside torch.cuda.max_memory_allocated
 ALLOCATOR_SLACK = 0.08  # caching-allocator fragmentation: reserved exceeds allocated by a few percent

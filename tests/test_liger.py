@@ -82,9 +82,14 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_llama_mod
         loss.backward()
         return applied, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
+    from transformers.models.llama import modeling_llama
+
+    classes = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
     _, ref_loss, ref = grads(False)
     applied, loss, got = grads(True)
     assert applied == ["rms_norm", "swiglu", "rope"]
+    # the instance is patched, the modeling file's classes are not: models built later are built as usual
+    assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == classes
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     assert set(got) == set(ref) and len(ref) > 0
     for name in ref:
