@@ -259,11 +259,12 @@ def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
 def apply_liger_layers(model, kernels: tuple[str, ...] = ("rms_norm", "swiglu", "rope")) -> list[str]:
     """Liger's RMSNorm, SwiGLU and RoPE kernels on this model instance; returns what was applied.
 
-    gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope") owes part of its low peak to these kernels:
-    they keep fewer activations for backward than the eager layers. delft uses its own fused CE + digit term
-    (losses.loss_sums), so Liger's CE patches stay off. Call before LoRA wraps the model. The RoPE patch
-    replaces the module-level function of the architecture's modeling file (Liger's design), so it holds
-    for every model of that type in this process.
+    The same kernels as gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
+    compared like for like; Liger's case for them is speed (counted on the CPU, they change a layer's memory by
+    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.loss_sums), so Liger's CE
+    patches stay off. Call before LoRA wraps the model. The RoPE patch replaces the module-level function of
+    the architecture's modeling file (Liger's design), so it holds for every model of that type in this
+    process.
     """
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 

@@ -9,7 +9,7 @@ No weights are loaded and torch is not imported. The estimate follows what delft
     loss       one chunk of the output layer (chunk x vocab: bf16 logits, their fp32 copy, fp32 log-softmax) or
                Liger's fused linear CE, plus the final hidden states and the digit rows
     backward   one layer recomputed and back-propagated (attention via SDPA, no seq x seq matrix), plus the
-               bf16 copy bitsandbytes dequantises a 4-bit weight into; lighter with Liger's layer kernels
+               bf16 copy bitsandbytes dequantises a 4-bit weight into
 
 The per-token cost of the recomputed layer is calibrated on the H200 measurements of docs gpu.md: LAYER_FIT on
 the eager "chunked" rows (CALIBRATION), LIGER_LAYER_FIT on the Liger rows (LIGER_CALIBRATION); the other terms
@@ -141,9 +141,9 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
     """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
 
     ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (None: only when
-    train.fused_loss is 'on'). ``label_fraction`` is the share of positions with a label (1.0: the upper bound). Keys: weights_nf4,
-    weights_16bit, lora_optimizer, activations, loss, layer_backward, peak_allocated (what
-    torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
+    train.fused_loss is 'on'). ``label_fraction`` is the share of positions with a label (1.0: the upper
+    bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
+    peak_allocated (what torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
     """
     s = model_shape(config)
     t, q, lo = recipe.train, recipe.quantization, recipe.lora

@@ -43,11 +43,11 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return ckpts[-1] if ckpts else None
 
 
-# Keys a resume may change: the length of training and the logging cadence.
 # Keys a resumed run may change: schedule length and bookkeeping, and how the loss is computed (chunk size, Liger
 # or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish where Liger is missing.
 RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps",
-                    "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss", "eval")
+                    "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss",
+                    "eval")
 
 
 def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
