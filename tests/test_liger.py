@@ -6,6 +6,7 @@ delft_del_chunked).
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -19,12 +20,26 @@ from tiny import build_model, build_tokenizer
 
 
 @pytest.fixture
-def restore_llama_module(monkeypatch):
-    """Liger's patches replace names in transformers' modeling_llama module; put them back afterwards."""
+def restore_rope(monkeypatch):
+    """Liger's RoPE patch replaces a function in transformers' modeling files; put it back afterwards."""
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
 
-    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
-        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    for module in (modeling_llama, modeling_qwen2):
+        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
+
+
+def build_arch(tok, arch: str):
+    """The tiny test model as Llama, or as Qwen2 (q/k/v biases), the architecture of gpu.md's peers."""
+    if arch == "llama":
+        return build_model(tok, hidden=32, layers=2)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=512, tie_word_embeddings=False,
+                                        initializer_range=0.2, pad_token_id=tok.pad_token_id))
 
 
 def test_interpreter_is_what_runs_here():
@@ -59,7 +74,8 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
     torch.testing.assert_close(g_w, ref_w, rtol=1e-4, atol=1e-6)
 
 
-def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_llama_module):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arch):
     from delft.losses import make_term
     from delft.models import apply_liger_layers, apply_lora
     from delft.recipe import LoraConfig, LossConfig
@@ -72,7 +88,7 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_llama_mod
              "position_ids": torch.tensor([list(range(6)) + list(range(9)), list(range(15))])}  # one packed row
 
     def grads(liger: bool):
-        model = build_model(tok, hidden=32, layers=2)
+        model = build_arch(tok, arch)
         applied = apply_liger_layers(model) if liger else []
         torch.manual_seed(1)
         model = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), gradient_checkpointing=True)
@@ -82,21 +98,20 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_llama_mod
         loss.backward()
         return applied, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
-    from transformers.models.llama import modeling_llama
-
-    classes = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
+    modeling = sys.modules[type(build_arch(tok, arch)).__module__]
+    classes = {k: v for k, v in vars(modeling).items() if isinstance(v, type)}
     _, ref_loss, ref = grads(False)
     applied, loss, got = grads(True)
     assert applied == ["rms_norm", "swiglu", "rope"]
     # the instance is patched, the modeling file's classes are not: models built later are built as usual
-    assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == classes
+    assert {k: v for k, v in vars(modeling).items() if isinstance(v, type)} == classes
     assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
     assert set(got) == set(ref) and len(ref) > 0
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model_dir, restore_llama_module):
+def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model_dir, restore_rope):
     runs = {}
     for mode in ("off", "on"):
         path = recipe_file(tmp_path, tiny_model_dir, name=mode, lora={"dropout": 0.0},
