@@ -40,7 +40,7 @@ def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
             continue
         tokens = r["batch"] * r["seq"]
         lin = plan._linears(plan.model_shape(cfg))
-        dequant = 2 * max(a * b for a, b in lin.values()) * 2 / plan.GiB
+        dequant = plan.dequantised_copy(lin, 2) / plan.GiB
         layer = m["liger"]["backward_increment_per_token"] * tokens / plan.GiB + dequant
         persistent = c["weights_nf4"] + c["weights_16bit"] + c["lora_optimizer"] + c["activations"]
         estimate = persistent + max(c["loss"], layer)

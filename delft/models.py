@@ -256,7 +256,7 @@ def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
                         "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
 
 
-def apply_liger_layers(model, kernels: tuple[str, ...] = ("rms_norm", "swiglu", "rope")) -> list[str]:
+def apply_liger_layers(model) -> list[str]:
     """Liger's RMSNorm, SwiGLU and RoPE kernels on this model instance; returns what was applied.
 
     The same kernels as gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
@@ -277,11 +277,11 @@ def apply_liger_layers(model, kernels: tuple[str, ...] = ("rms_norm", "swiglu", 
     # attention code calls the module-level function.
     modeling = sys.modules[type(model).__module__]
     classes = {k: v for k, v in vars(modeling).items() if isinstance(v, type)}
-    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False,
-                                    **{k: k in kernels for k in ("rms_norm", "swiglu", "rope")})
+    _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
     for name, cls in classes.items():
         setattr(modeling, name, cls)
-    return list(kernels)
+    return ["rms_norm", "swiglu", "rope"]
 
 
 def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool = False):

@@ -123,6 +123,11 @@ def _linears(s: dict) -> dict:
             "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
 
+def dequantised_copy(lin: dict, d: int) -> int:
+    """bitsandbytes dequantises a 4-bit weight to a 16-bit copy for each matmul (forward and backward): bytes."""
+    return 2 * max(a * b for a, b in lin.values()) * d
+
+
 def _lora_targets(target_modules) -> tuple[str, ...]:
     if target_modules == "all-linear":
         return LORA_NAMES
@@ -178,8 +183,8 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
     else:  # every layer keeps what it saves; about half the recompute + backward working set each
         activations = L * tokens * layer_tok * 0.5
         layer_backward = tokens * layer_tok * 0.5
-    if nf4:  # bitsandbytes dequantises a 4-bit weight to a 16-bit copy for each matmul (forward and backward)
-        layer_backward += 2 * max(a * b for a, b in lin.values()) * d
+    if nf4:
+        layer_backward += dequantised_copy(lin, d)
 
     logit_d = 4 if upcast else d
     out_hidden = tokens * H * (d + 4) + n_lab * H * d  # final hidden (and the norm's fp32 input), labelled rows
