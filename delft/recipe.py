@@ -136,7 +136,8 @@ class EvalConfig(Section):
 
 
 class OutputConfig(Section):
-    dir: str = Field("runs/quickstart", description="Run directory (relative to the current directory).")
+    dir: str = Field("runs/quickstart", min_length=1, pattern=r"\S",
+                     description="Run directory (relative to the current directory).")
 
 
 class Recipe(Section):

@@ -58,11 +58,16 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     loaded (``replace_run_dir``): a recipe mistake found while setting up must not cost the old run.
     """
     run_dir = Path(recipe.output.dir)
+    check_replaceable(run_dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     info_path = run_dir / "delft_run.json"
     status = json.loads(info_path.read_text()).get("status") if info_path.is_file() else None
     if force and exists:
+        if not info_path.is_file():
+            raise UserError(f"--force replaces only a delft run directory, and {run_dir} is not one (it has no "
+                            "delft_run.json)", "output.dir",
+                            "Point output.dir at a new directory or an earlier run; delft never deletes other data.")
         return run_dir, None, True
     if resume is True and ckpt is None:
         raise UserError(f"--resume was given but {run_dir} holds no checkpoint", "output.dir",
@@ -84,6 +89,18 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
                         "Choose another output.dir or pass --force to replace it.")
     return run_dir, None, False
+
+
+def check_replaceable(run_dir: Path) -> None:
+    """Refuse an output.dir that is no place for a run: the current directory, one above it, home, a file."""
+    where = run_dir.expanduser().resolve()
+    here = Path.cwd().resolve()
+    if str(run_dir).strip() in ("", ".") or where == here or where in here.parents or where == Path.home().resolve():
+        raise UserError(f"output.dir {str(run_dir)!r} is {where}, which holds the current directory or your home",
+                        "output.dir", "Name a directory of its own for the run, e.g. output.dir: runs/my-run.")
+    if where.exists() and not where.is_dir():
+        raise UserError(f"{run_dir} exists and is not a directory", "output.dir",
+                        "Choose another output.dir; delft does not replace files.")
 
 
 def replace_run_dir(run_dir: Path, console: Console) -> None:

@@ -168,3 +168,29 @@ def test_nf4_on_cpu_refuses_widths_bitsandbytes_decodes_wrongly(tmp_path, tiny_m
     path = recipe_file(tmp_path, tiny_model_dir, quantization={"mode": "nf4"})
     with pytest.raises(UserError, match="multiples of 64"):
         run_training(load_recipe(path))
+
+
+@pytest.mark.parametrize("target", ["", ".", "data", "HERE", "PARENT"])
+def test_force_replaces_only_a_run_directory(tmp_path, tiny_model_dir, monkeypatch, target):
+    """--force with output.dir empty, '.', the cwd, its parent or a non-run directory deletes nothing."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "keep.txt").write_text("user data")
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    out = {"HERE": str(work), "PARENT": str(tmp_path)}.get(target, target)
+    path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 1})
+    with pytest.raises(UserError, match="output.dir"):
+        run_training(load_recipe(path, [f"output.dir={out}"]), force=True)
+    assert (work / "data" / "keep.txt").read_text() == "user data"
+    assert (work / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "run.yaml").is_file()
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path, tiny_model_dir):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 1})
+    with pytest.raises(UserError, match="not a directory"):
+        run_training(load_recipe(path, [f"output.dir={f}"]), force=True)
+    assert f.read_text() == "x"
