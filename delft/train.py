@@ -22,25 +22,12 @@ from typing import Optional
 from rich.console import Console
 
 from delft.errors import UserError
+from delft import rundir
 from delft.recipe import Recipe, dump_recipe, load_recipe, recipe_differences
-
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.pt"
+from delft.rundir import latest_checkpoint, write_atomic
 
 
 # ----------------------------------------------------------------------------- run directory
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    ckpts = sorted((run_dir / CHECKPOINTS).glob("step-*")) if (run_dir / CHECKPOINTS).is_dir() else []
-    ckpts = [c for c in ckpts if (c / STATE_FILE).is_file()]
-    return ckpts[-1] if ckpts else None
 
 
 # Keys a resumed run may change: schedule length and bookkeeping, and how the loss is computed (chunk size, Liger
@@ -61,22 +48,21 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     check_replaceable(run_dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
-    info_path = run_dir / "delft_run.json"
-    status = json.loads(info_path.read_text()).get("status") if info_path.is_file() else None
+    status = rundir.status(run_dir) if run_dir.is_dir() else None
     if force and exists:
-        if not info_path.is_file():
+        if not rundir.is_run_dir(run_dir):
             raise UserError(f"--force replaces only a delft run directory, and {run_dir} is not one (it has no "
-                            "delft_run.json)", "output.dir",
+                            f"{rundir.RUN_INFO})", "output.dir",
                             "Point output.dir at a new directory or an earlier run; delft never deletes other data.")
         return run_dir, None, True
     if resume is True and ckpt is None:
         raise UserError(f"--resume was given but {run_dir} holds no checkpoint", "output.dir",
                         "Drop --resume to start a new run.")
-    if exists and status == "completed":
+    if exists and status == rundir.COMPLETED:
         raise UserError(f"{run_dir} already holds a finished run", "output.dir",
                         "Choose another output.dir (e.g. --set output.dir=runs/new) or pass --force to replace it.")
     if ckpt is not None and resume is not False:
-        saved = load_recipe(run_dir / "recipe.yaml")
+        saved = load_recipe(run_dir / rundir.RECIPE)
         diff = recipe_differences(saved, recipe, RESUME_FREE_KEYS)
         if diff:
             raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
@@ -201,20 +187,20 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     """Adapter + optimizer + scheduler + RNG, written to a temporary folder and renamed: never half-written."""
     import torch
 
-    root = run_dir / CHECKPOINTS
+    final = rundir.checkpoint_path(run_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    torch.save(state, tmp / STATE_FILE)
+    torch.save(state, tmp / rundir.STATE_FILE)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    for old in rundir.checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -230,7 +216,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     if unexpected:
         raise UserError(f"checkpoint {ckpt} does not match the model ({len(unexpected)} unexpected keys)",
                         "output.dir", "Use --force to start over.")
-    state = torch.load(ckpt / STATE_FILE, weights_only=False)
+    state = torch.load(ckpt / rundir.STATE_FILE, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])
@@ -377,7 +363,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     from transformers import get_scheduler
 
     from delft.data import collate, collate_packed
-    from delft.models import architecture
+    from delft.rundir import architecture
 
     console = console or Console()
     run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console)
@@ -396,17 +382,17 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     if replace:
         replace_run_dir(run_dir, console)
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / rundir.METRICS
     start = 0
     if ckpt is not None:
         start = load_checkpoint(ckpt, model, optimizer, scheduler)
         _truncate_metrics(metrics_path, start)
-    write_atomic(run_dir / "recipe.yaml", dump_recipe(recipe))
-    info = {"status": "running", "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
+    write_atomic(run_dir / rundir.RECIPE, dump_recipe(recipe))
+    info = {"status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
             "architecture": architecture(model.get_base_model().config), "quantization": s.quantization,
             "loss": recipe.loss.type, "loss_weight": recipe.loss.weight, "step": start,
             "total_steps": plan.total_steps, "liger_kernels": kernels, "data": asdict(s.stats)}
-    write_atomic(run_dir / "delft_run.json", json.dumps(info, indent=2))
+    rundir.write_info(run_dir, info)
     pad_id = s.tokenizer.pad_token_id
 
     def batch(index):
@@ -464,24 +450,17 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
                                   f"{term_name} {ev['val_term']:.4f}", highlight=False)
                 if step % t.save_steps == 0 and step < plan.total_steps:
                     save_checkpoint(run_dir, model, optimizer, scheduler, step, t.keep_checkpoints)
-                    _update_info(run_dir, step=step)
+                    rundir.update_info(run_dir, step=step)
         except KeyboardInterrupt:
             progress.stop()
             path = save_checkpoint(run_dir, model, optimizer, scheduler, step, t.keep_checkpoints)
-            _update_info(run_dir, step=step, status="interrupted")
+            rundir.update_info(run_dir, step=step, status=rundir.INTERRUPTED)
             console.print(f"\n[yellow]Interrupted.[/] Saved {path} (step {step}/{plan.total_steps}). "
                           f"Resume with: {resume_command}")
             raise SystemExit(130)
 
     finish(run_dir, model, s.tokenizer, step, recipe, console, metrics_path)
     return run_dir
-
-
-def _update_info(run_dir: Path, **changes) -> None:
-    path = run_dir / "delft_run.json"
-    info = json.loads(path.read_text())
-    info.update(changes)
-    write_atomic(path, json.dumps(info, indent=2))
 
 
 def finish(run_dir: Path, model, tokenizer, step: int, recipe: Recipe, console: Console, metrics_path: Path):
@@ -494,7 +473,7 @@ def finish(run_dir: Path, model, tokenizer, step: int, recipe: Recipe, console: 
         os.replace(f, run_dir / f.name)
     tmp.rmdir()
     if metrics_path.is_file():
-        plot_losses(metrics_path, run_dir / "loss_curve.png", recipe.loss.type)
-    _update_info(run_dir, step=step, status="completed")
-    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+        plot_losses(metrics_path, run_dir / rundir.LOSS_CURVE, recipe.loss.type)
+    rundir.update_info(run_dir, step=step, status=rundir.COMPLETED)
+    shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
     console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")

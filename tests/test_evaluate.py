@@ -40,7 +40,7 @@ def _lora_run(model_dir: Path, run_dir: Path, info: bool = True) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from delft.models import RUN_INFO, architecture
+    from delft.rundir import RUN_INFO, architecture
     from delft.recipe import dump_recipe, validate_recipe
 
     torch.manual_seed(1)

@@ -51,7 +51,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from delft.models import RUN_INFO, architecture
+    from delft.rundir import RUN_INFO, architecture
 
     torch.manual_seed(3)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

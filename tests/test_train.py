@@ -8,7 +8,8 @@ import yaml
 import delft.train as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
-from delft.train import latest_checkpoint, run_training
+from delft.rundir import latest_checkpoint
+from delft.train import run_training
 
 
 def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path:

@@ -1,0 +1,158 @@
+"""The run directory's contract: what `delft train` writes and eval, inspect, export and compare read.
+
+A run directory holds a peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``), the
+tokenizer, the resolved ``recipe.yaml``, ``delft_run.json`` (status, base model and its shapes, data
+counts, step), ``metrics.jsonl`` and, while training, ``checkpoints/step-N/``. A merged model directory
+(from `delft export`) has a ``config.json`` and no adapter. Every name and status lives here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from delft.errors import UserError
+
+RUN_INFO = "delft_run.json"
+RECIPE = "recipe.yaml"
+METRICS = "metrics.jsonl"
+LOSS_CURVE = "loss_curve.png"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_PREFIX = "step-"
+STATE_FILE = "trainer_state.pt"  # optimizer, scheduler, RNG states of a checkpoint
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+MODEL_CONFIG = "config.json"
+
+RUNNING, INTERRUPTED, COMPLETED = "running", "interrupted", "completed"
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write a file whole or not at all: a temporary sibling, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- run info
+
+
+def read_info(run_dir: Path) -> dict:
+    """``delft_run.json`` as a dict ({} when absent); a corrupt file is a clear error, not a traceback."""
+    path = Path(run_dir) / RUN_INFO
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})", str(run_dir),
+                        f"Restore {RUN_INFO} from a backup, or train the run again into a new directory.") from None
+    if not isinstance(info, dict):
+        raise UserError(f"{path} does not hold a JSON object", str(run_dir),
+                        f"Restore {RUN_INFO} from a backup, or train the run again into a new directory.")
+    return info
+
+
+def write_info(run_dir: Path, info: dict) -> None:
+    write_atomic(Path(run_dir) / RUN_INFO, json.dumps(info, indent=2))
+
+
+def update_info(run_dir: Path, **changes) -> dict:
+    info = read_info(run_dir)
+    info.update(changes)
+    write_info(run_dir, info)
+    return info
+
+
+def status(run_dir: Path) -> Optional[str]:
+    return read_info(run_dir).get("status")
+
+
+# ----------------------------------------------------------------------------- what a directory is
+
+
+def is_run_dir(path: Path) -> bool:
+    """Written by `delft train` (finished or not): the only kind of directory `train --force` may replace."""
+    return (Path(path) / RUN_INFO).is_file()
+
+
+def has_adapter(path: Path) -> bool:
+    path = Path(path)
+    return (path / ADAPTER_CONFIG).is_file() and any((path / f).is_file() for f in ADAPTER_WEIGHTS)
+
+
+def is_merged_model(path: Path) -> bool:
+    """A standalone model directory (e.g. from `delft export`): config.json and no adapter."""
+    path = Path(path)
+    return path.is_dir() and (path / MODEL_CONFIG).is_file() and not (path / ADAPTER_CONFIG).is_file()
+
+
+def is_finished_run(path: Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and has_adapter(path) and status(path) == COMPLETED
+
+
+def base_model(run_dir: Path) -> Optional[str]:
+    """The base model a run records (delft_run.json), else the adapter's own base_model_name_or_path."""
+    recorded = read_info(run_dir).get("base_model")
+    if recorded:
+        return recorded
+    try:
+        cfg = json.loads((Path(run_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+
+
+def tokenizer_source(run_dir: Optional[Path], base_path: str) -> str:
+    """Where to load the tokenizer: the run's own copy (saved at the end of training), else the base model's."""
+    if run_dir is not None and any(Path(run_dir).glob("tokenizer*")):
+        return str(run_dir)
+    return base_path
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoints_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a checkpoint is complete once its state file is in place)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    return [c for c in sorted(root.glob(f"{CHECKPOINT_PREFIX}*")) if (c / STATE_FILE).is_file()]
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- adapter and base
+
+
+def architecture(config) -> dict:
+    """What an adapter must match: the shapes its weights were trained against."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+    return {k: getattr(config, k, None) for k in keys}
+
+
+def check_adapter_matches(run_dir: Path, base: str, base_config, where: str) -> None:
+    """An adapter only fits the base whose shapes it was trained on (recorded in delft_run.json by train)."""
+    info = read_info(Path(run_dir))
+    expected, actual = info.get("architecture"), architecture(base_config)
+    if expected and expected != actual:
+        diff = ", ".join(f"{k} {expected[k]} vs {actual.get(k)}" for k in expected if expected[k] != actual.get(k))
+        raise UserError(f"the adapter in {run_dir} was trained on {info.get('base_model')!r}, whose shapes "
+                        f"differ from {base!r} ({diff})", where,
+                        f"Use the base model it was trained on ({info.get('base_model')}; see {run_dir}/{RUN_INFO}).")
