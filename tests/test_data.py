@@ -1,6 +1,5 @@
 import json
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 
@@ -8,8 +7,7 @@ from delft.data import (IGNORE, build_datasets, collate, collate_packed, format_
                         synthetic_examples, tokenize_example)
 from delft.errors import UserError
 from delft.recipe import DataConfig, SyntheticConfig
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from helpers import DATA
 
 
 def cfg(**kw) -> DataConfig:
@@ -109,14 +107,15 @@ def test_csv_and_parquet(tmp_path):
 
 
 def test_gsm8k_real_slice():
-    c = cfg(source=str(SHARED / "gsm8k_test.jsonl"), format="gsm8k", limit=20)
+    c = cfg(source=str(DATA / "gsm8k_test.jsonl"), format="gsm8k", limit=5)
     exs = load_examples(c)
-    assert len(exs) == 20
+    assert len(exs) == 5  # of the file's 6 rows
     assert exs[0].answer == "18" and "<<" not in exs[0].completion and exs[0].completion.endswith("#### 18")
 
 
 def test_svamp_real_slice():
-    exs = load_examples(cfg(source=str(SHARED / "svamp.json"), format="svamp", limit=10))
+    exs = load_examples(cfg(source=str(DATA / "svamp.json"), format="svamp", limit=3))
+    assert len(exs) == 3  # of the file's 4 rows
     assert exs[0].prompt.startswith("Each pack of dvds costs 76 dollars.") and exs[0].prompt.endswith("each pack?")
     assert exs[0].answer == "51"
 

@@ -15,7 +15,7 @@ from delft.digits import DigitVocab
 from delft.losses import LossSpec, loss_sums, resolve_fused
 from delft.recipe import load_recipe
 from delft.train import run_training
-from test_train import adapter_weights, recipe_file
+from helpers import adapter_weights, recipe_file
 from tiny import build_model, build_tokenizer
 
 

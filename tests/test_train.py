@@ -1,37 +1,14 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import delft.train as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import latest_checkpoint
 from delft.train import run_training
-
-
-def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path:
-    base = {
-        "model": {"name": str(model_dir)},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-        "data": {"synthetic": {"n": 48, "max_digits": 2}, "max_length": 40, "val_size": 8},
-        "train": {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 3,
-                  "save_steps": 3, "warmup_ratio": 0.0},
-        "output": {"dir": str(tmp_path / name)},
-    }
-    for section, values in sections.items():
-        base.setdefault(section, {}).update(values)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return path
-
-
-def adapter_weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "adapter_model.safetensors"))
+from helpers import adapter_weights, recipe_file
 
 
 def test_loss_falls_and_run_dir_is_complete(tmp_path, tiny_model_dir):

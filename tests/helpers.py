@@ -1,0 +1,43 @@
+"""Helpers shared by the test modules (tiny models are in tiny.py, fixtures in conftest.py).
+
+Test modules import from here, never from one another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+# Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
+# ../shared beside the checkout. Sources and licenses: tests/data/README.md.
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path:
+    """A recipe for a few-step LoRA run of ``model_dir`` on synthetic sums, written to ``tmp_path/name.yaml``.
+
+    ``sections`` update the defaults per section, e.g. ``train={"max_steps": 30}``.
+    """
+    base = {
+        "model": {"name": str(model_dir)},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+        "data": {"synthetic": {"n": 48, "max_digits": 2}, "max_length": 40, "val_size": 8},
+        "train": {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 3,
+                  "save_steps": 3, "warmup_ratio": 0.0},
+        "output": {"dir": str(tmp_path / name)},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def adapter_weights(run_dir: Path) -> dict:
+    """The adapter tensors a run saved, by name."""
+    from safetensors.torch import load_file
+
+    from delft.rundir import ADAPTER_WEIGHTS
+
+    return load_file(str(run_dir / ADAPTER_WEIGHTS[0]))
