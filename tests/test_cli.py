@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -71,6 +72,7 @@ def test_chunked_digit_tokenizer_refused_before_weights_load(tmp_path):
     assert "merges digits into multi-digit tokens" in r.output and "loss.type 'del'" in r.output
 
 
+@pytest.mark.slow
 def test_hub_id_offline_fails_fast(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     t = time.perf_counter()

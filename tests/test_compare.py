@@ -64,6 +64,7 @@ def tiny_recipes(tmp_path, tiny_model_dir):
     return base, ce, de, svamp
 
 
+@pytest.mark.slow
 def test_tiny_compare_end_to_end_and_rerun_reproduces(tmp_path, tiny_recipes):
     base, ce, de, svamp = tiny_recipes
     out = tmp_path / "out"

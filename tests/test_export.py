@@ -165,6 +165,7 @@ def test_match_training_merges_into_nf4_roundtrip(run_dir, tiny_model_dir, tmp_p
         assert torch.equal(merged[name], base[name]), name
 
 
+@pytest.mark.slow
 def test_nf4_dequantize_matches_bitsandbytes():
     import bitsandbytes.functional as bnbf
 

@@ -74,6 +74,7 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
     torch.testing.assert_close(g_w, ref_w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arch):
     from delft.losses import make_term
@@ -111,6 +112,7 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arc
         torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model_dir, restore_rope):
     runs = {}
     for mode in ("off", "on"):

@@ -8,6 +8,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.smollm2
 def test_quickstart_trains_real_smollm2_and_adapter_loads_with_peft(tmp_path):
     import torch
     from peft import PeftModel

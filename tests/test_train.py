@@ -11,6 +11,7 @@ from delft.train import run_training
 from helpers import adapter_weights, recipe_file
 
 
+@pytest.mark.slow
 def test_loss_falls_and_run_dir_is_complete(tmp_path, tiny_model_dir):
     path = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 30, "eval_steps": 30})
     run = run_training(load_recipe(path))
@@ -129,6 +130,7 @@ def test_packing_and_accumulation_train(tmp_path, tiny_model_dir):
     assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_real_nf4_qlora_trains_on_cpu(tmp_path):
     """Real bitsandbytes nf4 (its CPU backend): 4-bit base layers, LoRA on top, loss finite, adapter saved."""
     from tiny import save_tiny
