@@ -29,3 +29,19 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def digit_model_path(tmp_path_factory) -> Path:
+    """A tiny model that only ever answers with digits and '.' (tiny.save_digit_model)."""
+    from tiny import save_digit_model
+
+    return save_digit_model(tmp_path_factory.mktemp("digits") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished run directory of the tiny model: adapter with non-zero B, run info, recipe (helpers.lora_run)."""
+    from helpers import lora_run
+
+    return lora_run(tiny_model_dir, tmp_path_factory.mktemp("runs") / "lora")

@@ -41,3 +41,28 @@ def adapter_weights(run_dir: Path) -> dict:
     from delft.rundir import ADAPTER_WEIGHTS
 
     return load_file(str(run_dir / ADAPTER_WEIGHTS[0]))
+
+
+def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: int = 4, alpha: int = 8,
+             seed: int = 1, info: bool = True) -> Path:
+    """A run directory as `delft train` leaves it, without training: a peft adapter whose B is non-zero (so it
+    changes the model), and with ``info`` the run info (completed, base model, architecture) and the recipe."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from delft.recipe import dump_recipe, validate_recipe
+    from delft.rundir import COMPLETED, RECIPE, architecture, write_info
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  init_lora_weights=False))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(run_dir)
+    if info:
+        write_info(run_dir, {"status": COMPLETED, "base_model": str(model_dir),
+                             "architecture": architecture(model.config)})
+        (run_dir / RECIPE).write_text(dump_recipe(validate_recipe(
+            {"model": {"name": str(model_dir)}, "output": {"dir": str(run_dir)}})))
+    return run_dir

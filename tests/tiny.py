@@ -60,3 +60,21 @@ def save_tiny(path: Path, **kwargs) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_digit_model(path: Path, hidden: int = 32, seed: int = 0) -> Path:
+    """A tiny model whose output layer only ever picks a digit or '.', so every greedy answer holds a number."""
+    import torch
+
+    tok = build_tokenizer()
+    model = build_model(tok, hidden=hidden, seed=seed)
+    allowed = [tok.convert_tokens_to_ids(c) for c in "0123456789."]
+    with torch.no_grad():
+        w = model.lm_head.weight
+        keep = w[allowed].clone() * 20
+        w.zero_()
+        w[allowed] = keep
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
