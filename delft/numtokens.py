@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
-from delft.digits import DIGITS, DigitVocab, token_places
+from delft.digits import DIGITS, DigitVocab, place_weight, token_places
 from delft.errors import UserError
 
 if TYPE_CHECKING:
@@ -239,3 +239,47 @@ def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
         lse = torch.where(table.filled[j][g], torch.logsumexp(vals, dim=-1), float("-inf"))
         out = out.index_copy(0, sel, lse)
     return CharLogits(out, pos, char, table.digit[tok, char])
+
+
+class NumberTargets(NamedTuple):
+    mask: "Tensor"     # [B, T] bool: the label is a number token; hidden[mask] gives the P rows, row-major
+    gold: "Tensor"     # [P] long: the label's column among the number tokens
+    weights: "Tensor"  # [C] float32: DEL place weight of every digit character (position, then character)
+
+
+def number_targets(labels: "Tensor", vocab: NumberVocab) -> NumberTargets:
+    """Number-token positions, their columns and per-character place weights; runs per sequence, across tokens.
+
+    On a single-digit tokenizer this equals ``losses.digit_targets`` (mask, targets = gold, weights).
+    """
+    import torch
+
+    rows = labels.tolist()
+    mask = [[False] * labels.shape[-1] for _ in rows]
+    gold: list[int] = []
+    weights: list[float] = []
+    for b, row in enumerate(rows):
+        for t, places in enumerate(vocab.places(row)):
+            col = vocab.column_of(row[t])
+            if col is None:
+                continue
+            mask[b][t] = True
+            gold.append(col)
+            weights.extend(place_weight(p) for p in places)
+    dev = labels.device
+    return NumberTargets(torch.tensor(mask, dtype=torch.bool, device=dev).reshape(labels.shape),
+                         torch.tensor(gold, dtype=torch.long, device=dev),
+                         torch.tensor(weights, dtype=torch.float32, device=dev))
+
+
+def count_digit_chars(labels: "Tensor", vocab: NumberVocab) -> int:
+    """N_digits for the batch-global normalisation: digit characters of the number-token labels."""
+    import torch
+
+    ids = torch.tensor(vocab.ids, device=labels.device)
+    lengths = torch.tensor([len(s) for s in vocab.texts], device=labels.device)
+    order = torch.argsort(ids)
+    flat = labels.reshape(-1)
+    at = torch.searchsorted(ids[order], flat).clamp(max=len(ids) - 1)
+    hit = ids[order][at] == flat
+    return int(lengths[order][at][hit].sum())

@@ -9,7 +9,7 @@ import torch
 
 from delft.digits import DIGITS, DigitVocab, token_places
 from delft.errors import UserError
-from delft.numtokens import CharTable, NumberVocab, char_logits
+from delft.numtokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 from llama3_vocab import load_tokenizer, tokenizer_file
 from tiny import build_model, build_tokenizer
 
@@ -251,3 +251,61 @@ def test_tiny_llama3_model_number_rows_only(llama3_tokenizer, llama3_vocab):
     torch.testing.assert_close(z, full[at][:, rows])
     got = char_logits(z, gold, llama3_vocab.char_table())
     assert got.logits.shape[0] == len("123456789314159") and torch.isfinite(got.logits).all()
+
+
+# ----------------------------------------------------------------------------- targets and today's losses
+
+
+def _labels(tokenizer, texts: list[str]) -> torch.Tensor:
+    rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    width = max(map(len, rows))
+    labels = torch.full((len(rows), width), -100)
+    for b, row in enumerate(rows):
+        labels[b, :len(row)] = torch.tensor(row)
+    return labels
+
+
+def _todays_terms_equal(tokenizer):
+    """On a single-digit tokenizer, targets and DEL/NTL/DIST2 per character equal today's per-token ones."""
+    from delft import losses
+
+    vocab = NumberVocab.from_tokenizer(tokenizer)
+    labels = _labels(tokenizer, ["x 12.5 and 3.14159", "7 + 1,234 = 99", "no digits"])
+    labels[0, 3] = -100  # an ignored label ends a run
+    old = losses.digit_targets(labels, vocab.digit_vocab())
+    new = number_targets(labels, vocab)
+    assert torch.equal(new.mask, old.mask) and torch.equal(new.gold, old.targets)
+    assert torch.equal(new.weights, old.weights)
+    assert count_digit_chars(labels, vocab) == losses.count_items(labels, vocab.digit_vocab())[1] == len(new.gold)
+    model = build_model(tokenizer, hidden=16, layers=1)
+    hidden = model.model(labels.clamp(min=0)).last_hidden_state
+    z = losses.digit_logits(hidden[old.mask], model.lm_head, vocab.ids)
+    chars = char_logits(z, new.gold, vocab.char_table())
+    assert torch.equal(chars.logits, z) and torch.equal(chars.digit, old.targets)
+    for kind in losses.TERM_TYPES:
+        term = losses.LossSpec(type=kind, weight=1.0, vocab=vocab.digit_vocab()).term
+        assert torch.equal(term(chars.logits, chars.digit, new.weights), term(z, old.targets, old.weights))
+
+
+def test_single_digit_tokenizer_keeps_todays_targets_and_terms():
+    _todays_terms_equal(build_tokenizer())
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_keeps_todays_targets_and_terms():
+    from transformers import AutoTokenizer
+
+    from delft.models import ensure_smollm2
+
+    _todays_terms_equal(AutoTokenizer.from_pretrained(ensure_smollm2()))
+
+
+def test_llama3_targets_weigh_every_digit_character(llama3_tokenizer, llama3_vocab):
+    from delft.digits import place_weight
+
+    labels = _labels(llama3_tokenizer, ["1234567.89", "x 45"])
+    t = number_targets(labels, llama3_vocab)
+    assert [llama3_vocab.texts[c] for c in t.gold.tolist()] == ["123", "456", "7", "89", "45"]
+    places = [7, 6, 5, 4, 3, 2, 1, -1, -2, 2, 1]
+    assert t.weights.tolist() == pytest.approx([place_weight(p) for p in places])
+    assert count_digit_chars(labels, llama3_vocab) == len(places) == int(t.mask.sum()) + 6
