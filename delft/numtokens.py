@@ -230,6 +230,8 @@ def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
     tok = gold[pos]
     ext = torch.cat([z, z.new_full((z.shape[0], 1), float("-inf")), z.new_zeros((z.shape[0], 1))], dim=1)
     out = z.new_full((len(pos), 10), float("-inf"))
+    if len(pos) == 0:  # no number tokens: an empty result that is still in the graph
+        out = z[:, :0].sum(-1, keepdim=True).expand(0, 10)
     for j in range(table.max_len):
         sel = (char == j).nonzero().squeeze(1)
         if sel.numel() == 0:

@@ -309,3 +309,54 @@ def test_llama3_targets_weigh_every_digit_character(llama3_tokenizer, llama3_voc
     places = [7, 6, 5, 4, 3, 2, 1, -1, -2, 2, 1]
     assert t.weights.tolist() == pytest.approx([place_weight(p) for p in places])
     assert count_digit_chars(labels, llama3_vocab) == len(places) == int(t.mask.sum()) + 6
+
+
+def test_a_few_del_steps_on_the_llama3_vocabulary_lower_the_digit_term(llama3_tokenizer, llama3_vocab):
+    """DEL per digit character, from the number-token rows only, trains a tiny random-init Llama-3 model."""
+    from delft.losses import del_term, digit_logits
+
+    model = build_model(llama3_tokenizer, hidden=16, layers=1)
+    ids = _labels(llama3_tokenizer, ["pay 1234567.89 now", "pi is 3.14159"]).clamp(min=0)
+    labels = ids[:, 1:]
+    t = number_targets(labels, llama3_vocab)
+    table = llama3_vocab.char_table()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def term():
+        hidden = model.model(ids[:, :-1]).last_hidden_state
+        chars = char_logits(digit_logits(hidden[t.mask], model.lm_head, llama3_vocab.ids), t.gold, table)
+        return del_term(chars.logits, chars.digit, t.weights).sum() / len(t.weights)
+
+    first = term()
+    for _ in range(10):
+        opt.zero_grad()
+        loss = term()
+        loss.backward()
+        opt.step()
+    last = term().item()
+    assert last < 0.8 * first.item(), (first.item(), last)
+
+
+def test_gradients_equal_for_8x1_4x2_2x4_micro_batches(llama3_tokenizer, llama3_vocab):
+    """Per-micro-batch term sums over the batch-global N_digits (digit characters) give one gradient."""
+    from delft.losses import del_term, digit_logits
+
+    model = build_model(llama3_tokenizer, hidden=16, layers=1)
+    texts = ["1234567.89", "x 45", "none", "3.14159", "12 + 7", "0.5", "99999", "a 1.2.3"]
+    ids = _labels(llama3_tokenizer, texts).clamp(min=0)
+    labels = ids[:, 1:].clone()
+    labels[ids[:, 1:] == 0] = -100
+    n_digits = count_digit_chars(labels, llama3_vocab)
+    table = llama3_vocab.char_table()
+    grads = []
+    for size in (1, 2, 4):
+        model.zero_grad()
+        for s in range(0, len(texts), size):
+            t = number_targets(labels[s:s + size], llama3_vocab)
+            hidden = model.model(ids[s:s + size, :-1]).last_hidden_state
+            chars = char_logits(digit_logits(hidden[t.mask], model.lm_head, llama3_vocab.ids), t.gold, table)
+            (del_term(chars.logits, chars.digit, t.weights).sum() / n_digits).backward()
+        grads.append(model.lm_head.weight.grad.clone())
+    assert grads[0].abs().sum() > 0
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], rtol=1e-4, atol=1e-7)
