@@ -6,7 +6,8 @@ A *place* is an int: r >= 1 for the r-th integer digit from the right (1 = units
 Run rules (the DEL reference's, losses.md): consecutive characters in '0'..'9' and '.' form a run; the
 first '.' at index > 0 is the decimal point; a run that starts with '.' has no point (every entry counts as
 integer-like). Places count character positions, so in "1.2.3" the '3' is place -3. Dots are never scored.
-Unlike the reference, runs are found per sequence and an ignored label (-100) ends a run.
+Unlike the reference, runs are found per sequence and an ignored label (-100) ends a run. Runs and places
+are properties of the characters, not of the tokens: ``token_places`` finds them across multi-digit tokens.
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
             else:
                 places[start + j] = point - j if j < point else -(j - point)
     return places
+
+
+def token_places(texts: Sequence[Optional[str]]) -> list[tuple[Optional[int], ...]]:
+    """Places of every character of every token, runs found across tokens (the character-level view).
+
+    ``texts[t]`` is token t's text, or None for a token that is no part of a number (an ignored label, a
+    word); None and empty texts end a run. So "12345" gets the same places as 1|2|3|4|5 or 123|45:
+    ["123", "45"] -> [(5, 4, 3), (2, 1)]; ["3", ".", "14"] -> [(1,), (None,), (-1, -2)]; None -> ().
+    """
+    chars: list[Optional[str]] = []
+    owners: list[int] = []
+    for t, text in enumerate(texts):
+        chars.extend(text if text else [None])
+        owners.extend([t] * (len(text) if text else 1))
+    out: list[list[Optional[int]]] = [[] for _ in texts]
+    for t, c, place in zip(owners, chars, run_places(chars)):
+        if c is not None:
+            out[t].append(place)
+    return [tuple(p) for p in out]
 
 
 def place_weight(place: int) -> float:
