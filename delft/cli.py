@@ -100,7 +100,7 @@ def eval_(
     from delft.evaluate import run_eval
 
     recipe, runs = _split_recipe(targets or [])
-    run_eval(recipe=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
+    run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
              include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console)
 
 
@@ -127,7 +127,7 @@ def inspect_(
     if compare and not runs:
         raise UserError("--compare needs run directories before the prompt", fix='e.g. --compare runs/ce runs/del "What is 17 * 23?"')
     adapters = runs if compare else ([adapter] if adapter else [])
-    run_inspect(recipe=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
+    run_inspect(recipe_path=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
                 max_new_tokens=max_new_tokens, json_out=json_out, plot=plot, overrides=set_, console=console)
 
 
