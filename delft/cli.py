@@ -158,12 +158,13 @@ def compare(
     out: Path = typer.Option(Path("results/compare"), "--out", help="Where the table, JSON and plot go."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     transfer: Optional[str] = typer.Option(
-        None, "--transfer", help="Second eval set, to see whether training transfers (default ../shared/data/svamp.json when present)."),
+        None, "--transfer", help="A second eval set (a file such as SVAMP's svamp.json), to see whether training "
+        "transfers; none unless given."),
     transfer_format: str = typer.Option("svamp", "--transfer-format", help="Format of --transfer (svamp, gsm8k, ...)."),
     transfer_limit: int = typer.Option(100, "--transfer-limit", help="Evaluate the first N problems of --transfer."),
     transfer_max_new_tokens: int = typer.Option(
         32, "--transfer-max-new-tokens", help="Generation budget on --transfer (word problems: some text first)."),
-    no_transfer: bool = typer.Option(False, "--no-transfer", help="Only the synthetic held-out set."),
+    no_transfer: bool = typer.Option(False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.compare import run_compare
