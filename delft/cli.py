@@ -169,7 +169,7 @@ def compare(
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.compare import run_compare
 
-    run_compare(recipes=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
+    run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer)
 

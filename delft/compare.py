@@ -29,7 +29,10 @@ from rich.console import Console
 from delft import __version__
 from delft.errors import UserError
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
+from delft.rundir import (METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info,
+                          write_atomic)
 
+REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
 DEFAULT_TRANSFER_FORMAT = "svamp"
 DEFAULT_TRANSFER_LIMIT = 100
 DEFAULT_TRANSFER_MAX_NEW_TOKENS = 32
@@ -57,7 +60,7 @@ class Column:
     """One evaluated model (or the mean over seeds of one recipe) in one eval set."""
 
     name: str
-    recipe: Optional[str]
+    recipe_name: Optional[str]
     seed: Optional[int]
     adapter: Optional[str]
     result: Any = None  # delft.evaluate.ModelResult
@@ -125,15 +128,11 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
 
 
 def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
-    from delft.rundir import RECIPE
-
     return sorted(recipe_differences(load_recipe(run_dir / RECIPE), cfg, ignore=("eval",)))
 
 
 def _last_rows(run_dir: Path) -> dict:
     """The final training and validation rows of metrics.jsonl (for the JSON report)."""
-    from delft.rundir import METRICS
-
     path = run_dir / METRICS
     out: dict = {}
     if path.is_file():
@@ -147,7 +146,6 @@ def _last_rows(run_dir: Path) -> dict:
 def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
     from delft.generate import free_memory
-    from delft.rundir import is_finished_run, is_run_dir, latest_checkpoint, read_info
     from delft.train import run_training
 
     run_dir = Path(cfg.output.dir)
@@ -157,7 +155,7 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
         if diff:
             raise UserError(f"{run_dir} holds a finished run of a different recipe ({', '.join(diff)} differ)",
                             "delft compare", f"Delete {run_dir} to train it again with this recipe, or restore "
-                            "the recipe it was trained with (its recipe.yaml).")
+                            f"the recipe it was trained with (its {RECIPE}).")
         console.print(f"[dim]{run_dir}: finished run, reused[/]")
         return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
     force = False
@@ -243,11 +241,11 @@ def _pair_up(columns: list[Column], ref_name: str, resamples: int) -> None:
     from delft.evaluate import differences, flags
 
     base = flags(columns[0].result.scored)
-    by = {(col.recipe, col.seed): col for col in columns[1:]}
+    by = {(col.recipe_name, col.seed): col for col in columns[1:]}
     for col in columns[1:]:
         own = flags(col.result.scored)
         col.vs_base = differences(base, own, resamples)
-        if col.recipe != ref_name:
+        if col.recipe_name != ref_name:
             col.vs_reference = differences(flags(by[(ref_name, col.seed)].result.scored), own, resamples)
 
 
@@ -258,7 +256,7 @@ def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: S
 
     if len(seeds) < 2:
         return []
-    by = {(col.recipe, col.seed): col.result.scored for col in columns[1:]}
+    by = {(col.recipe_name, col.seed): col.result.scored for col in columns[1:]}
     base = flags(columns[0].result.scored)
     reference = _averaged([by[(ref_name, s)] for s in seeds])
     means = []
@@ -286,8 +284,8 @@ def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict
 
     for seed in seeds:
         cols = [columns[0]] + [c for c in columns[1:] if c.seed == seed]
-        results = [ModelResult(c.recipe or "base", c.adapter, metrics=c.result.metrics) for c in cols]
-        notes = [_diff_line(f"{c.recipe} vs {ref_name} (seed {seed})", c.vs_reference)
+        results = [ModelResult(c.recipe_name or "base", c.adapter, metrics=c.result.metrics) for c in cols]
+        notes = [_diff_line(f"{c.recipe_name} vs {ref_name} (seed {seed})", c.vs_reference)
                  for c in cols[1:] if c.vs_reference]
         show(f"delft compare, {key}: {heading}, training seed {seed}", results, notes)
     if means:
@@ -306,7 +304,7 @@ def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]
     base = ModelResult("base", None, metrics=columns[0].result.metrics)
     if means:
         return [base] + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]
-    return [base] + [ModelResult(c.recipe, None, metrics=c.result.metrics) for c in columns[1:] if c.seed == seeds[0]]
+    return [base] + [ModelResult(c.recipe_name, None, metrics=c.result.metrics) for c in columns[1:] if c.seed == seeds[0]]
 
 
 def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns: list[Column], means: list[dict],
@@ -335,8 +333,8 @@ def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns
             del rec["prompt"]  # rendered prompts are the same for every model: see problems + prompt_example
             preds.append(rec)
         section["models"].append({
-            "name": col.name, "recipe": col.recipe, "seed": col.seed, "adapter": col.adapter,
-            "loss": losses.get(col.recipe), "metrics": r.metrics, "vs_base": col.vs_base,
+            "name": col.name, "recipe": col.recipe_name, "seed": col.seed, "adapter": col.adapter,
+            "loss": losses.get(col.recipe_name), "metrics": r.metrics, "vs_base": col.vs_base,
             "vs_reference": col.vs_reference, "predictions": preds})
     return section
 
@@ -462,9 +460,9 @@ def _plain(obj):
 # -------------------------------------------------------------------------------------------- entry
 
 
-def _command(recipes: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str]) -> str:
+def _command(recipe_paths: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str]) -> str:
     """The command line that reproduces this comparison (in the report, and to resume an interrupted run)."""
-    return shlex.join(["delft", "compare", *map(str, recipes), *[x for s in seeds for x in ("--seed", str(s))],
+    return shlex.join(["delft", "compare", *map(str, recipe_paths), *[x for s in seeds for x in ("--seed", str(s))],
                        "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
 
 
@@ -519,7 +517,7 @@ def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Seque
     }
 
 
-def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
+def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
                 overrides: Sequence[str] = (), console: Optional[Console] = None,
                 transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
                 transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
@@ -536,11 +534,11 @@ def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path 
     if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
         raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
                         "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
-    contenders = resolve_contenders(recipes, overrides, console)
+    contenders = resolve_contenders(recipe_paths, overrides, console)
     cfg0 = contenders[0].for_seed(seeds[0])
     transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
         else None
-    command = _command(recipes, seeds, out, overrides)
+    command = _command(recipe_paths, seeds, out, overrides)
     runs, training = train_all(contenders, seeds, console, command)
 
     # the settings delft eval would use with the first recipe
@@ -565,9 +563,10 @@ def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path 
         "evals": {key: section for key, (section, _) in sets.items()},
         "plots": _write_plots(sets, seeds, out),
     })
-    (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "tables.txt").write_text(tables.export_text())
-    (out / "summary.md").write_text(markdown_summary(report))
-    console.print(f"[green]wrote[/] {out / 'compare.json'}, {out / 'tables.txt'}, {out / 'summary.md'}, "
+    written = {REPORT: json.dumps(report, indent=1) + "\n", TABLES: tables.export_text(),
+               SUMMARY: markdown_summary(report)}
+    for name, text in written.items():
+        write_atomic(out / name, text)
+    console.print(f"[green]wrote[/] {', '.join(str(out / name) for name in written)}, "
                   + ", ".join(report["plots"].values()))
     return report

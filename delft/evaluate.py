@@ -20,6 +20,7 @@ from delft.answers import (Scored, canonical, extract_answer, paired_difference,
                            summarize)
 from delft.digits import place_name
 from delft.errors import UserError
+from delft.rundir import write_atomic
 
 BOOTSTRAP_SEED = 0
 
@@ -422,7 +423,7 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     if json_out is not None:
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(to_json(results, problems, settings), indent=2))
+        write_atomic(json_out, json.dumps(to_json(results, problems, settings), indent=2))
         console.print(f"[green]wrote[/] {json_out}")
     if plot is not None:
         write_plot(results, Path(plot), title)

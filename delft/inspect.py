@@ -32,6 +32,7 @@ from delft import __version__
 from delft.data import prompt_ids
 from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
+from delft.rundir import write_atomic
 
 PURPOSE = "per-digit inspection"
 # "391", "-3.5", "1,234", "+0.25", ".5": an optional sign, digits (comma groups of 3 allowed), a decimal part.
@@ -559,7 +560,7 @@ def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Option
     if json_out is not None:
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(to_json(result), indent=2))
+        write_atomic(json_out, json.dumps(to_json(result), indent=2))
         console.print(f"wrote {json_out}")
     if plot is not None:
         if result.has_digits:
