@@ -164,7 +164,8 @@ def compare(
     transfer_limit: int = typer.Option(100, "--transfer-limit", help="Evaluate the first N problems of --transfer."),
     transfer_max_new_tokens: int = typer.Option(
         32, "--transfer-max-new-tokens", help="Generation budget on --transfer (word problems: some text first)."),
-    no_transfer: bool = typer.Option(False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
+    no_transfer: bool = typer.Option(
+        False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.compare import run_compare

@@ -232,8 +232,8 @@ def reference_name(contenders: Sequence[Contender]) -> str:
 
 def _columns(contenders: Sequence[Contender], seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> list[Column]:
     """The base model, then every recipe's run per seed."""
-    return [Column("base", None, None, None)] + [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)]))
-                                                 for seed in seeds for c in contenders]
+    trained = [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])) for seed in seeds for c in contenders]
+    return [Column("base", None, None, None)] + trained
 
 
 def _pair_up(columns: list[Column], ref_name: str, resamples: int) -> None:
@@ -304,7 +304,8 @@ def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]
     base = ModelResult("base", None, metrics=columns[0].result.metrics)
     if means:
         return [base] + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]
-    return [base] + [ModelResult(c.recipe_name, None, metrics=c.result.metrics) for c in columns[1:] if c.seed == seeds[0]]
+    first_seed = [c for c in columns[1:] if c.seed == seeds[0]]
+    return [base] + [ModelResult(c.recipe_name, None, metrics=c.result.metrics) for c in first_seed]
 
 
 def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns: list[Column], means: list[dict],
