@@ -171,6 +171,9 @@ def test_places_dots_and_separators(tiny_tokenizer):
     assert label("1,23 and 4.5") == [("1", "digit", 0, 1), ("2", "digit", 1, 2), ("3", "digit", 1, 1),
                                      ("4", "digit", 2, 1), (".", "point", 2, None), ("5", "digit", 2, -1)]
     assert label("... no") == []
+    # a ',' after a non-digit is not a thousands separator (it used to raise a TypeError)
+    assert label("x,123 and ,456") == [(c, "digit", n, p) for n, run in enumerate(("123", "456"))
+                                       for c, p in zip(run, (3, 2, 1))]
 
 
 # -------------------------------------------------------------------------------------- table and JSON
