@@ -68,7 +68,7 @@ _ANSWER_IS = re.compile(r"\banswer\b\s*(?:is\b|was\b|:|=)\s*:?", re.IGNORECASE)
 _LATEX_SEGMENT = re.compile(r"^\s*(?:\*\*)?\s*(\$\$?|\\\(|\\\[)(.+?)(?:\$\$?|\\\)|\\\])")
 
 # Cut points for run-on continuations. Plain prompts (base models) run on into the next problem; chat models
-# end their turn with an end-of-turn token, which generation already stops at (see evaluate.stop_strings).
+# end their turn with an end-of-turn token, which generation already stops at (see generate.stop_strings).
 PLAIN_STOP_STRINGS = ("\n\n", "Question:", "\nQ:", "Problem:")
 CHAT_STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|im_start|>", "<|user|>", "</s>")
 

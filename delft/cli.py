@@ -100,7 +100,7 @@ def eval_(
     from delft.evaluate import run_eval
 
     recipe, runs = _split_recipe(targets or [])
-    run_eval(recipe=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
+    run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
              include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console)
 
 
@@ -127,7 +127,7 @@ def inspect_(
     if compare and not runs:
         raise UserError("--compare needs run directories before the prompt", fix='e.g. --compare runs/ce runs/del "What is 17 * 23?"')
     adapters = runs if compare else ([adapter] if adapter else [])
-    run_inspect(recipe=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
+    run_inspect(recipe_path=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
                 max_new_tokens=max_new_tokens, json_out=json_out, plot=plot, overrides=set_, console=console)
 
 
@@ -158,17 +158,19 @@ def compare(
     out: Path = typer.Option(Path("results/compare"), "--out", help="Where the table, JSON and plot go."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     transfer: Optional[str] = typer.Option(
-        None, "--transfer", help="Second eval set, to see whether training transfers (default ../shared/data/svamp.json when present)."),
+        None, "--transfer", help="A second eval set (a file such as SVAMP's svamp.json), to see whether training "
+        "transfers; none unless given."),
     transfer_format: str = typer.Option("svamp", "--transfer-format", help="Format of --transfer (svamp, gsm8k, ...)."),
     transfer_limit: int = typer.Option(100, "--transfer-limit", help="Evaluate the first N problems of --transfer."),
     transfer_max_new_tokens: int = typer.Option(
         32, "--transfer-max-new-tokens", help="Generation budget on --transfer (word problems: some text first)."),
-    no_transfer: bool = typer.Option(False, "--no-transfer", help="Only the synthetic held-out set."),
+    no_transfer: bool = typer.Option(
+        False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.compare import run_compare
 
-    run_compare(recipes=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
+    run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer)
 

@@ -7,15 +7,14 @@ extends (``recipes/compare/base.yaml``) is their shared base, not a run of its o
 For every recipe and ``--seed`` N the run lives in ``<parent of output.dir>/<recipe name>-seed<N>``
 (``runs/compare/del-seed1``): finished runs are reused (after checking they were trained with this recipe),
 interrupted ones resume from their last checkpoint, missing ones are trained. Then the base model and every
-adapter answer (a) the recipe's held-out synthetic set and (b) a slice of a transfer set (SVAMP by default)
-with the machinery of ``delft eval``; tables go to the terminal and ``tables.txt`` (and as Markdown to
-``summary.md``), every metric, interval and prediction to ``compare.json``, per-place digit accuracy to
-``places_<set>.png``.
+adapter answer (a) the recipe's held-out synthetic set and (b) with ``--transfer FILE``, a slice of a
+transfer set such as SVAMP (none unless given), with the machinery of ``delft eval``; tables go to the
+terminal and ``tables.txt`` (and as Markdown to ``summary.md``), every metric, interval and prediction to
+``compare.json``, per-place digit accuracy to ``places_<set>.png``.
 """
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import math
@@ -30,8 +29,10 @@ from rich.console import Console
 from delft import __version__
 from delft.errors import UserError
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
+from delft.rundir import (METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info,
+                          write_atomic)
 
-DEFAULT_TRANSFER = "../shared/data/svamp.json"  # relative to the repository root (shared/ beside the checkout)
+REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
 DEFAULT_TRANSFER_FORMAT = "svamp"
 DEFAULT_TRANSFER_LIMIT = 100
 DEFAULT_TRANSFER_MAX_NEW_TOKENS = 32
@@ -59,7 +60,7 @@ class Column:
     """One evaluated model (or the mean over seeds of one recipe) in one eval set."""
 
     name: str
-    recipe: Optional[str]
+    recipe_name: Optional[str]
     seed: Optional[int]
     adapter: Optional[str]
     result: Any = None  # delft.evaluate.ModelResult
@@ -127,12 +128,12 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
 
 
 def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
-    return sorted(recipe_differences(load_recipe(run_dir / "recipe.yaml"), cfg, ignore=("eval",)))
+    return sorted(recipe_differences(load_recipe(run_dir / RECIPE), cfg, ignore=("eval",)))
 
 
 def _last_rows(run_dir: Path) -> dict:
     """The final training and validation rows of metrics.jsonl (for the JSON report)."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS
     out: dict = {}
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -144,17 +145,17 @@ def _last_rows(run_dir: Path) -> dict:
 
 def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
-    from delft.rundir import RUN_INFO, latest_checkpoint, read_info as read_run_info
+    from delft.generate import free_memory
     from delft.train import run_training
 
     run_dir = Path(cfg.output.dir)
-    info = read_run_info(run_dir) if run_dir.is_dir() else {}
-    if info.get("status") == "completed" and (run_dir / "adapter_config.json").is_file():
+    info = read_info(run_dir) if run_dir.is_dir() else {}
+    if is_finished_run(run_dir):
         diff = _saved_recipe_differences(run_dir, cfg)
         if diff:
             raise UserError(f"{run_dir} holds a finished run of a different recipe ({', '.join(diff)} differ)",
                             "delft compare", f"Delete {run_dir} to train it again with this recipe, or restore "
-                            "the recipe it was trained with (its recipe.yaml).")
+                            f"the recipe it was trained with (its {RECIPE}).")
         console.print(f"[dim]{run_dir}: finished run, reused[/]")
         return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
     force = False
@@ -162,7 +163,7 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     if run_dir.is_dir() and any(run_dir.iterdir()):
         if latest_checkpoint(run_dir) is not None:
             status = "resumed"
-        elif (run_dir / RUN_INFO).is_file():
+        elif is_run_dir(run_dir):
             console.print(f"[yellow]{run_dir}: stopped before its first checkpoint; starting it again[/]")
             force = True
         else:
@@ -172,8 +173,8 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     start = time.perf_counter()
     run_training(cfg, resume=None, force=force, console=console, resume_command=command)
     seconds = time.perf_counter() - start
-    gc.collect()
-    steps = read_run_info(run_dir).get("step")
+    free_memory()
+    steps = read_info(run_dir).get("step")
     return {"status": status, "steps": steps, "seconds": round(seconds, 1), **_last_rows(run_dir)}
 
 
@@ -191,9 +192,7 @@ def mean_over_seeds(scored_lists: list[list], resamples: int, seed: int) -> dict
 
     n = len(scored_lists[0])
     pooled = summarize([s for lst in scored_lists for s in lst], resamples, seed)
-    for key, attr in (("exact_match", "exact"), ("tolerance_match", "tolerance")):
-        per_problem = [sum(float(getattr(lst[i], attr)) for lst in scored_lists) / len(scored_lists)
-                       for i in range(n)]
+    for key, per_problem in zip(("exact_match", "tolerance_match"), _averaged(scored_lists)):
         ci = bootstrap_ci(per_problem, resamples, seed)
         pooled[f"{key}_ci"] = list(ci) if ci else None
     pooled["n"] = n
@@ -207,20 +206,13 @@ def mean_over_seeds(scored_lists: list[list], resamples: int, seed: int) -> dict
     return pooled
 
 
-def _flags(scored: list, attr: str) -> list[float]:
-    return [float(getattr(s, attr)) for s in scored]
+def _averaged(scored_lists: list[list]) -> tuple[list[float], list[float]]:
+    """Per problem, exact and tolerance match averaged over seeds (the seed mean's paired-bootstrap input)."""
+    from delft.evaluate import flags
 
-
-def _averaged(scored_lists: list[list], attr: str) -> list[float]:
-    n = len(scored_lists[0])
-    return [sum(float(getattr(lst[i], attr)) for lst in scored_lists) / len(scored_lists) for i in range(n)]
-
-
-def _differences(a_exact, b_exact, a_tol, b_tol, resamples: int, seed: int) -> dict:
-    from delft.answers import paired_difference
-
-    return {"exact_match": paired_difference(a_exact, b_exact, resamples, seed),
-            "tolerance_match": paired_difference(a_tol, b_tol, resamples, seed)}
+    per_seed = [flags(lst) for lst in scored_lists]
+    return tuple([sum(f[k][i] for f in per_seed) / len(per_seed) for i in range(len(scored_lists[0]))]
+                 for k in (0, 1))
 
 
 def _diff_line(label: str, d: dict) -> str:
@@ -233,42 +225,55 @@ def _diff_line(label: str, d: dict) -> str:
     return f"{label}: " + ", ".join(parts) + " points (paired bootstrap, 95 % CI)"
 
 
-def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
-                 seeds: list[int], runs: dict[tuple[str, int], Path], console: Console, tables: Console) -> dict:
-    """Every model on one eval set: tables, paired differences, and the JSON section for the set."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def reference_name(contenders: Sequence[Contender]) -> str:
+    """The recipe differences are reported against: the plain-CE one when there is one, else the first."""
+    return next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), contenders[0].name)
 
-    from delft.answers import canonical, summarize
-    from delft.evaluate import (BOOTSTRAP_SEED, ModelResult, evaluate_model, load_problems, prediction_record,
-                                render_table)
 
-    problems, skipped = load_problems(data_cfg, console)
-    boot = recipe_cfg.eval.bootstrap
-    source = data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
-    columns = [Column("base", None, None, None)]
-    for seed in seeds:
-        for c in contenders:
-            columns.append(Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])))
-    console.rule(f"[bold]{key}[/]: {len(problems)} problems from {source}")
-    start = time.perf_counter()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
-        for col in columns:
-            task = progress.add_task(col.name, total=len(problems))
-            col.result = evaluate_model(col.name, base, col.adapter, problems, data_cfg, recipe_cfg, progress, task)
-            col.result.metrics = summarize(col.result.scored, boot, BOOTSTRAP_SEED)
-    seconds = time.perf_counter() - start
+def _columns(contenders: Sequence[Contender], seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> list[Column]:
+    """The base model, then every recipe's run per seed."""
+    trained = [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])) for seed in seeds for c in contenders]
+    return [Column("base", None, None, None)] + trained
 
-    base_col = columns[0]
-    b_exact, b_tol = _flags(base_col.result.scored, "exact"), _flags(base_col.result.scored, "tolerance")
-    by = {(col.recipe, col.seed): col for col in columns[1:]}
-    ref_name = next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), contenders[0].name)
+
+def _pair_up(columns: list[Column], ref_name: str, resamples: int) -> None:
+    """Each run's paired differences from the base model and from the reference recipe's run of its seed."""
+    from delft.evaluate import differences, flags
+
+    base = flags(columns[0].result.scored)
+    by = {(col.recipe_name, col.seed): col for col in columns[1:]}
     for col in columns[1:]:
-        e, t = _flags(col.result.scored, "exact"), _flags(col.result.scored, "tolerance")
-        col.vs_base = _differences(b_exact, e, b_tol, t, boot, BOOTSTRAP_SEED)
-        if col.recipe != ref_name:
-            ref = by[(ref_name, col.seed)].result.scored
-            col.vs_reference = _differences(_flags(ref, "exact"), e, _flags(ref, "tolerance"), t, boot, BOOTSTRAP_SEED)
+        own = flags(col.result.scored)
+        col.vs_base = differences(base, own, resamples)
+        if col.recipe_name != ref_name:
+            col.vs_reference = differences(flags(by[(ref_name, col.seed)].result.scored), own, resamples)
+
+
+def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: Sequence[int], ref_name: str,
+                resamples: int) -> list[dict]:
+    """Per recipe, its metrics and differences averaged over the training seeds ([] for one seed)."""
+    from delft.evaluate import BOOTSTRAP_SEED, differences, flags
+
+    if len(seeds) < 2:
+        return []
+    by = {(col.recipe_name, col.seed): col.result.scored for col in columns[1:]}
+    base = flags(columns[0].result.scored)
+    reference = _averaged([by[(ref_name, s)] for s in seeds])
+    means = []
+    for c in contenders:
+        lists = [by[(c.name, s)] for s in seeds]
+        own = _averaged(lists)
+        means.append({"name": c.name, "loss": c.recipe.loss.model_dump(mode="json"), "seeds": list(seeds),
+                      "metrics": mean_over_seeds(lists, resamples, BOOTSTRAP_SEED),
+                      "vs_base": differences(base, own, resamples),
+                      "vs_reference": None if c.name == ref_name else differences(reference, own, resamples)})
+    return means
+
+
+def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict], seeds: Sequence[int],
+                 ref_name: str, console: Console, tables: Console) -> None:
+    """One table per seed (base and each recipe), then the seed means, to the terminal and tables.txt."""
+    from delft.evaluate import ModelResult, render_table
 
     def show(title: str, results: list, notes: list[str]) -> None:
         for target in (console, tables):
@@ -278,50 +283,44 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
             target.print()
 
     for seed in seeds:
-        cols = [base_col] + [by[(c.name, seed)] for c in contenders]
-        results = [ModelResult(c.recipe or "base", c.adapter, metrics=c.result.metrics) for c in cols]
-        notes = [_diff_line(f"{c.recipe} vs {ref_name} (seed {seed})", c.vs_reference)
+        cols = [columns[0]] + [c for c in columns[1:] if c.seed == seed]
+        results = [ModelResult(c.recipe_name or "base", c.adapter, metrics=c.result.metrics) for c in cols]
+        notes = [_diff_line(f"{c.recipe_name} vs {ref_name} (seed {seed})", c.vs_reference)
                  for c in cols[1:] if c.vs_reference]
-        show(f"delft compare, {key}: {len(problems)} problems from {source}, training seed {seed}", results, notes)
-
-    means = []
-    if len(seeds) > 1:
-        ref_lists = [by[(ref_name, s)].result.scored for s in seeds]
-        for c in contenders:
-            lists = [by[(c.name, s)].result.scored for s in seeds]
-            metrics = mean_over_seeds(lists, boot, BOOTSTRAP_SEED)
-            e, t = _averaged(lists, "exact"), _averaged(lists, "tolerance")
-            entry = {"name": c.name, "loss": c.recipe.loss.model_dump(mode="json"), "seeds": list(seeds),
-                     "metrics": metrics, "vs_base": _differences(b_exact, e, b_tol, t, boot, BOOTSTRAP_SEED),
-                     "vs_reference": None}
-            if c.name != ref_name:
-                entry["vs_reference"] = _differences(_averaged(ref_lists, "exact"), e,
-                                                     _averaged(ref_lists, "tolerance"), t, boot, BOOTSTRAP_SEED)
-            means.append(entry)
-        results = [ModelResult("base", None, metrics=base_col.result.metrics)] + [
+        show(f"delft compare, {key}: {heading}, training seed {seed}", results, notes)
+    if means:
+        results = [ModelResult("base", None, metrics=columns[0].result.metrics)] + [
             ModelResult(f"{m['name']} (mean)", None, metrics=m["metrics"]) for m in means]
         notes = [_diff_line(f"{m['name']} vs {ref_name} (mean of seeds)", m["vs_reference"])
                  for m in means if m["vs_reference"]]
-        seeds_text = ", ".join(map(str, seeds))
-        show(f"delft compare, {key}: mean over training seeds {seeds_text} (CI: bootstrap over problems of the "
-             "seed-averaged score)", results, notes)
+        show(f"delft compare, {key}: mean over training seeds {', '.join(map(str, seeds))} (CI: bootstrap over "
+             "problems of the seed-averaged score)", results, notes)
 
+
+def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]) -> list:
+    """What places_<set>.png shows: base and the seed means, or base and each recipe's first-seed run."""
+    from delft.evaluate import ModelResult
+
+    base = ModelResult("base", None, metrics=columns[0].result.metrics)
+    if means:
+        return [base] + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]
+    first_seed = [c for c in columns[1:] if c.seed == seeds[0]]
+    return [base] + [ModelResult(c.recipe_name, None, metrics=c.result.metrics) for c in first_seed]
+
+
+def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns: list[Column], means: list[dict],
+             contenders: Sequence[Contender], ref_name: str, seconds: float) -> dict:
+    """The JSON section of one eval set: settings, problems, every model's predictions, the seed means."""
+    from delft.answers import canonical
+    from delft.evaluate import prediction_record, settings_block
+
+    base = columns[0].result
+    losses = {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders}
     section = {
-        "settings": {
-            "source": data_cfg.source,
-            "data": data_cfg.model_dump(mode="json"),
-            "n": len(problems),
-            "skipped_without_answer": skipped,
-            "decoding": "greedy",
-            "max_new_tokens": recipe_cfg.eval.max_new_tokens,
-            "batch_size": recipe_cfg.eval.batch_size,
-            "bootstrap": {"resamples": boot, "seed": BOOTSTRAP_SEED, "level": 0.95},
-            "template": base_col.result.template,
-            "stop_strings": base_col.result.stop_strings,
-            "prompt_example": base_col.result.prompts[0] if base_col.result.prompts else None,
-            "reference": ref_name,
-            "seconds": round(seconds, 1),
-        },
+        "settings": {"source": data_cfg.source, **settings_block(data_cfg, recipe_cfg, len(problems), skipped),
+                     "template": base.template, "stop_strings": base.stop_strings,
+                     "prompt_example": base.prompts[0] if base.prompts else None, "reference": ref_name,
+                     "seconds": round(seconds, 1)},
         "problems": [{"index": p.index, "question": p.example.prompt if isinstance(p.example.prompt, str)
                       else p.example.prompt[-1]["content"], "gold": canonical(p.gold)} for p in problems],
         "models": [],
@@ -335,14 +334,35 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
             del rec["prompt"]  # rendered prompts are the same for every model: see problems + prompt_example
             preds.append(rec)
         section["models"].append({
-            "name": col.name, "recipe": col.recipe, "seed": col.seed, "adapter": col.adapter,
-            "loss": next((c.recipe.loss.model_dump(mode="json") for c in contenders if c.name == col.recipe), None),
-            "metrics": r.metrics, "vs_base": col.vs_base, "vs_reference": col.vs_reference, "predictions": preds})
-    section["_plot"] = ([ModelResult("base", None, metrics=base_col.result.metrics)]
-                        + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]) if means else \
-        [ModelResult(c.recipe or "base", None, metrics=c.result.metrics)
-         for c in [base_col] + [by[(x.name, seeds[0])] for x in contenders]]
+            "name": col.name, "recipe": col.recipe_name, "seed": col.seed, "adapter": col.adapter,
+            "loss": losses.get(col.recipe_name), "metrics": r.metrics, "vs_base": col.vs_base,
+            "vs_reference": col.vs_reference, "predictions": preds})
     return section
+
+
+def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
+                 seeds: list[int], runs: dict[tuple[str, int], Path], console: Console,
+                 tables: Console) -> tuple[dict, list]:
+    """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows)."""
+    from delft.evaluate import describe_source, evaluate_models, load_problems
+
+    problems, skipped = load_problems(data_cfg, console)
+    heading = f"{len(problems)} problems from {describe_source(data_cfg)}"
+    columns = _columns(contenders, seeds, runs)
+    console.rule(f"[bold]{key}[/]: {heading}")
+    start = time.perf_counter()
+    results = evaluate_models([(col.name, col.adapter) for col in columns], base, problems, data_cfg, recipe_cfg,
+                              console)
+    seconds = time.perf_counter() - start
+    for col, r in zip(columns, results):
+        col.result = r
+    ref_name = reference_name(contenders)
+    boot = recipe_cfg.eval.bootstrap
+    _pair_up(columns, ref_name, boot)
+    means = _seed_means(columns, contenders, seeds, ref_name, boot)
+    _show_tables(key, heading, columns, means, seeds, ref_name, console, tables)
+    section = _section(data_cfg, recipe_cfg, problems, skipped, columns, means, contenders, ref_name, seconds)
+    return section, _plot_results(columns, means, seeds)
 
 
 def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
@@ -359,7 +379,7 @@ def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
     except ValidationError as e:
         problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise UserError(f"invalid transfer set: {problems}", "--transfer/--transfer-format",
-                        "e.g. --transfer ../shared/data/svamp.json --transfer-format svamp.") from None
+                        "e.g. --transfer data/svamp.json --transfer-format svamp.") from None
 
 
 def _pct(x: Optional[float]) -> str:
@@ -441,39 +461,15 @@ def _plain(obj):
 # -------------------------------------------------------------------------------------------- entry
 
 
-def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
-                overrides: Sequence[str] = (), console: Optional[Console] = None,
-                transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
-                transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
-                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False) -> dict:
-    """Train what is missing, evaluate base + every run on the synthetic and transfer sets, write the report.
+def _command(recipe_paths: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str]) -> str:
+    """The command line that reproduces this comparison (in the report, and to resume an interrupted run)."""
+    return shlex.join(["delft", "compare", *map(str, recipe_paths), *[x for s in seeds for x in ("--seed", str(s))],
+                       "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
 
-    ``transfer=None`` means the default SVAMP file, skipped with a warning when it is absent; a transfer file
-    given explicitly must exist. Returns the JSON report (also written to ``out/compare.json``).
-    """
-    from delft.evaluate import check_runs, resolve_settings, write_plot
 
-    console = console or Console()
-    seeds = list(dict.fromkeys(seeds)) or [0]
-    if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
-        raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
-                        "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
-    contenders = resolve_contenders(recipes, overrides, console)
-    first = contenders[0]
-    cfg0 = first.for_seed(seeds[0])
-    if not no_transfer and transfer is None:
-        if Path(DEFAULT_TRANSFER).is_file():
-            transfer = DEFAULT_TRANSFER
-        else:
-            console.print(f"[yellow]warning:[/] {DEFAULT_TRANSFER} not found (run from the repository root with "
-                          "shared/ beside it); skipping the transfer set")
-    transfer_cfg = None
-    if transfer and not no_transfer:
-        transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit)
-    command = shlex.join(["delft", "compare", *map(str, recipes), *[x for s in seeds for x in ("--seed", str(s))],
-                          "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
-
-    # 1. training (everything that is missing), before any eval
+def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Console,
+              command: str) -> tuple[dict[tuple[str, int], Path], dict[str, dict]]:
+    """Every (recipe, seed) run trained, resumed or reused, before any eval: (run directories, what happened)."""
     runs: dict[tuple[str, int], Path] = {}
     training: dict[str, dict] = {}
     for seed in seeds:
@@ -481,58 +477,97 @@ def run_compare(recipes: Sequence[Path], seeds: Sequence[int] = (0,), out: Path 
             cfg = c.for_seed(seed)
             runs[(c.name, seed)] = Path(cfg.output.dir)
             training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command)}
+    return runs, training
 
-    # 2. evaluation: the settings delft eval would use with the first recipe
-    _, base, synth_cfg, limit, _ = resolve_settings(first.path, [str(p) for p in runs.values()], None, None, None,
-                                                    None, overrides, console)
-    check_runs([str(p) for p in runs.values()], base)
-    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
-    sets: dict[str, dict] = {}
-    sets["synthetic"] = evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)
-    if transfer_cfg is not None:
-        key = Path(transfer_cfg.source).stem or "transfer"
-        key = "transfer" if key == "synthetic" else key
-        tcfg = cfg0.model_copy(deep=True)
-        tcfg.eval.max_new_tokens = transfer_max_new_tokens
-        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
 
-    # 3. outputs
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def _transfer_key(transfer_cfg) -> str:
+    key = Path(transfer_cfg.source).stem or "transfer"
+    return "transfer" if key == "synthetic" else key
+
+
+def _write_plots(sets: dict[str, tuple[dict, list]], seeds: Sequence[int], out: Path) -> dict[str, str]:
+    from delft.evaluate import write_plot
+
     plots = {}
-    for key, section in sets.items():
+    what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+    for key, (section, results) in sets.items():
         path = out / f"places_{key}.png"
-        what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
-        write_plot(section.pop("_plot"), path,
-                   f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})")
+        write_plot(results, path, f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})")
         plots[key] = str(path)
+    return plots
+
+
+def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Sequence[int], base: str,
+                     limit: Optional[int], transfer_cfg, transfer_max_new_tokens: int) -> dict:
+    """What was compared: the recipes, their losses, seeds, and the settings they share."""
     common = cfg0.to_dict()
     common.pop("loss")
     common["output"] = {"dir": str(Path(cfg0.output.dir).parent) + "/<recipe>-seed<N>"}
     common["train"]["seed"] = "<seed>"
-    report = {
+    return {
+        "base_model": base,
+        "recipes": {c.name: str(c.path) for c in contenders},
+        "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
+        "seeds": list(seeds),
+        "reference": reference_name(contenders),
+        "recipe": common,
+        "synthetic_limit": limit,
+        "transfer": None if transfer_cfg is None else {
+            "source": transfer_cfg.source, "format": transfer_cfg.format, "limit": transfer_cfg.limit,
+            "max_new_tokens": transfer_max_new_tokens},
+    }
+
+
+def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
+                overrides: Sequence[str] = (), console: Optional[Console] = None,
+                transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
+                transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
+                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False) -> dict:
+    """Train what is missing, evaluate base + every run on the synthetic set (and ``transfer``), write the report.
+
+    The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False).
+    Returns the JSON report (also written to ``out/compare.json``).
+    """
+    from delft.evaluate import check_runs, resolve_settings
+
+    console = console or Console()
+    seeds = list(dict.fromkeys(seeds)) or [0]
+    if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
+        raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
+                        "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
+    contenders = resolve_contenders(recipe_paths, overrides, console)
+    cfg0 = contenders[0].for_seed(seeds[0])
+    transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
+        else None
+    command = _command(recipe_paths, seeds, out, overrides)
+    runs, training = train_all(contenders, seeds, console, command)
+
+    # the settings delft eval would use with the first recipe
+    _, base, synth_cfg, limit, _ = resolve_settings(contenders[0].path, [str(p) for p in runs.values()], None, None,
+                                                    None, None, overrides, console)
+    check_runs([str(p) for p in runs.values()], base)
+    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    sets = {"synthetic": evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)}
+    if transfer_cfg is not None:
+        tcfg = cfg0.model_copy(deep=True)
+        tcfg.eval.max_new_tokens = transfer_max_new_tokens
+        key = _transfer_key(transfer_cfg)
+        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = _plain({
         "delft_version": __version__,
         "command": command,
-        "settings": {
-            "base_model": base,
-            "recipes": {c.name: str(c.path) for c in contenders},
-            "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
-            "seeds": seeds,
-            "reference": next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), first.name),
-            "recipe": common,
-            "synthetic_limit": limit,
-            "transfer": None if transfer_cfg is None else {
-                "source": transfer_cfg.source, "format": transfer_cfg.format, "limit": transfer_limit,
-                "max_new_tokens": transfer_max_new_tokens},
-        },
+        "settings": _report_settings(cfg0, contenders, seeds, base, limit, transfer_cfg, transfer_max_new_tokens),
         "training": training,
-        "evals": sets,
-        "plots": plots,
-    }
-    report = _plain(report)
-    (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "tables.txt").write_text(tables.export_text())
-    (out / "summary.md").write_text(markdown_summary(report))
-    console.print(f"[green]wrote[/] {out / 'compare.json'}, {out / 'tables.txt'}, {out / 'summary.md'}, "
-                  + ", ".join(plots.values()))
+        "evals": {key: section for key, (section, _) in sets.items()},
+        "plots": _write_plots(sets, seeds, out),
+    })
+    written = {REPORT: json.dumps(report, indent=1) + "\n", TABLES: tables.export_text(),
+               SUMMARY: markdown_summary(report)}
+    for name, text in written.items():
+        write_atomic(out / name, text)
+    console.print(f"[green]wrote[/] {', '.join(str(out / name) for name in written)}, "
+                  + ", ".join(report["plots"].values()))
     return report

@@ -1,12 +1,11 @@
 """``delft eval``: greedy answers from the base model and adapters, scored side by side.
 
-Generation is batched with the KV cache and left padding; only token ids are kept (no scores or logits),
-so memory stays flat however large the eval set. Extraction, scoring and metrics live in delft.answers.
+Generation (batched, left-padded, KV cache) lives in delft.generate; extraction, scoring and metrics in
+delft.answers.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -17,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from delft import __version__
-from delft.answers import (CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, Scored, canonical, cut_at_stop, extract_answer,
-                           paired_difference, parse_number, place_order, score, summarize)
-from delft.data import prompt_ids
+from delft.answers import (Scored, canonical, extract_answer, paired_difference, parse_number, place_order, score,
+                           summarize)
 from delft.digits import place_name
 from delft.errors import UserError
+from delft.rundir import write_atomic
 
 BOOTSTRAP_SEED = 0
 
@@ -51,7 +50,7 @@ class ModelResult:
 # ------------------------------------------------------------------------------------------ settings
 
 
-def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optional[str], data: Optional[str],
+def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Optional[str], data: Optional[str],
                      data_format: Optional[str], limit: Optional[int], overrides: Sequence[str],
                      console: Console):
     """(recipe config, base model name, eval DataConfig, limit, runs) from the command line."""
@@ -59,9 +58,9 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
 
     from delft.recipe import DataConfig, load_recipe
 
-    cfg = load_recipe(recipe, list(overrides))
+    cfg = load_recipe(recipe_path, list(overrides))
     runs = list(runs)
-    if recipe is None:
+    if recipe_path is None:
         if model is None:
             model = _base_from_runs(runs)
         if model is None or data is None:
@@ -81,7 +80,7 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
             fields["format"] = "synthetic"
         elif data_format is not None:
             fields["format"] = data_format
-        elif base_data.format == "synthetic" or recipe is None:
+        elif base_data.format == "synthetic" or recipe_path is None:
             raise UserError(f"--format is required with --data {data}", "--format",
                             "Say how rows map to question and answer: gsm8k, svamp, prompt_completion, chat, ...")
     elif data_format is not None:
@@ -102,7 +101,7 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
             and data_cfg.synthetic.seed == cfg.data.synthetic.seed):
         # An eval set equal to the training problems would measure memorisation.
         data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + 1_000_003})
-    if not runs and recipe is not None:
+    if not runs and recipe_path is not None:
         finished = _finished_run(Path(cfg.output.dir))
         if finished is not None:
             console.print(f"[dim]including the finished run in {finished} (output.dir of the recipe)[/]")
@@ -111,25 +110,23 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
 
 
 def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
-    from delft.rundir import read_info as read_run_info
+    from delft.rundir import base_model
 
-    bases = {read_run_info(Path(r)).get("base_model") for r in runs if Path(r).is_dir()}
+    bases = {base_model(Path(r)) for r in runs if Path(r).is_dir()}
     bases.discard(None)
     return bases.pop() if len(bases) == 1 else None
 
 
 def _finished_run(path: Path) -> Optional[Path]:
-    from delft.rundir import read_info as read_run_info
+    from delft.rundir import is_finished_run
 
-    if path.is_dir() and (path / "adapter_config.json").is_file() and read_run_info(path).get("status") == "completed":
-        return path
-    return None
+    return path if is_finished_run(path) else None
 
 
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
     from delft.models import resolve_model
-    from delft.rundir import check_adapter_matches, read_info as read_run_info
+    from delft.rundir import ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, is_merged_model, read_info
 
     base_config = None
     for run in runs:
@@ -137,10 +134,11 @@ def check_runs(runs: Sequence[str], base: str) -> None:
         if not p.exists():
             raise UserError(f"run directory {run} does not exist", "delft eval",
                             "Give a directory written by `delft train` (or by `delft export`).")
-        if not p.is_dir() or not ((p / "adapter_config.json").is_file() or (p / "config.json").is_file()):
-            raise UserError(f"{run} holds neither an adapter (adapter_config.json) nor a merged model (config.json)",
+        adapter = p.is_dir() and (p / ADAPTER_CONFIG).is_file()
+        if not adapter and not is_merged_model(p):
+            raise UserError(f"{run} holds neither an adapter ({ADAPTER_CONFIG}) nor a merged model ({MODEL_CONFIG})",
                             "delft eval", "Give a run directory written by `delft train` or a merged model.")
-        if (p / "adapter_config.json").is_file() and read_run_info(p).get("architecture"):
+        if adapter and read_info(p).get("architecture"):
             if base_config is None:
                 from transformers import AutoConfig
 
@@ -186,95 +184,11 @@ def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
 # ---------------------------------------------------------------------------------------- generation
 
 
-def stop_strings(tokenizer, chat: bool) -> list[str]:
-    """Where an answer ends: the end-of-turn markers for chat prompts, a blank line or a new problem otherwise."""
-    stops = list(CHAT_STOP_STRINGS if chat else PLAIN_STOP_STRINGS)
-    eos = getattr(tokenizer, "eos_token", None)
-    if isinstance(eos, str) and eos and eos not in stops:
-        stops.append(eos)
-    return stops
-
-
-def _eos_ids(model, tokenizer, chat: bool) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for i in (source if isinstance(source, (list, tuple)) else [source]):
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    if chat:  # end-of-turn tokens that some chat templates use besides EOS
-        vocab = tokenizer.get_vocab()
-        for s in CHAT_STOP_STRINGS:
-            if s in vocab and vocab[s] not in ids and s in getattr(tokenizer, "all_special_tokens", []):
-                ids.append(vocab[s])
-    return ids
-
-
-class _StopOnStrings:
-    """Per-sequence stopping once the generated text holds a stop string (after its leading whitespace)."""
-
-    def __init__(self, tokenizer, prompt_len: int, stops: Sequence[str]):
-        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, list(stops)
-
-    def __call__(self, input_ids, scores=None, **kwargs):
-        import torch
-
-        gen = input_ids[:, self.prompt_len:].tolist()
-        done = []
-        for row in gen:
-            text = self.tokenizer.decode(row, skip_special_tokens=True)
-            done.append(cut_at_stop(text, self.stops) != text)
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
-                     stops: Sequence[str], eos_ids: Sequence[int], progress=None, task=None) -> list[str]:
-    """Greedy continuations of ``prompts`` (token ids only are kept), decoded, in the order given.
-
-    Prompts are sorted by length so each batch pads little; padding is on the left so every prompt ends at
-    the same position and the KV cache continues all of them together.
-    """
-    import torch
-    from transformers import GenerationConfig, StoppingCriteriaList
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    encoded = [prompt_ids(tokenizer, p) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-    out: list[str] = [""] * len(prompts)
-    device = next(model.parameters()).device
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                               pad_token_id=pad_id, eos_token_id=list(eos_ids) or None, use_cache=True,
-                               output_scores=False, output_logits=False, return_dict_in_generate=False)
-    for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        width = max(len(encoded[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):  # left padding
-            seq = encoded[i]
-            if seq:
-                ids[row, width - len(seq):] = torch.tensor(seq)
-                mask[row, width - len(seq):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        criteria = StoppingCriteriaList([_StopOnStrings(tokenizer, width, stops)]) if stops else None
-        with torch.inference_mode():
-            result = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
-                                    stopping_criteria=criteria)
-        for row, i in enumerate(idx):
-            new = result[row, width:].tolist()
-            cut = next((k for k, t in enumerate(new) if t in eos_ids), len(new))
-            out[i] = tokenizer.decode(new[:cut], skip_special_tokens=True)
-        del result, ids, mask
-        if progress is not None:
-            progress.advance(task, len(idx))
-    return out
-
-
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
                    recipe_cfg, progress=None, task=None) -> ModelResult:
     """Load one model, answer every problem, score the answers; the model is freed afterwards."""
-    import torch
-
     from delft.data import render_prompt, use_chat_template
+    from delft.generate import free_memory, greedy, stop_strings
     from delft.models import load_for_inference
 
     model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
@@ -282,16 +196,70 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
         chat = use_chat_template(tokenizer, data_cfg)
         stops = stop_strings(tokenizer, chat)
         prompts = [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
-        ev = recipe_cfg.eval
-        generated = generate_answers(model, tokenizer, prompts, ev.max_new_tokens, ev.batch_size, stops,
-                                     _eos_ids(model, tokenizer, chat), progress, task)
+        advance = (lambda n: progress.advance(task, n)) if progress is not None else None
+        generations = greedy(model, tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
+                             recipe_cfg.eval.batch_size, on_batch=advance)
     finally:
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
+    generated = [g.text for g in generations]
     scored = [score(extract_answer(text, stops), p.gold) for text, p in zip(generated, problems)]
     return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored)
+
+
+def progress_bar(console: Console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, problems: Sequence[Problem], data_cfg,
+                    recipe_cfg, console: Console) -> list[ModelResult]:
+    """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised."""
+    results = []
+    with progress_bar(console) as progress:
+        for name, adapter in columns:
+            task = progress.add_task(name, total=len(problems))
+            r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task)
+            r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
+            results.append(r)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ differences
+
+
+def flags(scored: Sequence[Scored]) -> tuple[list[float], list[float]]:
+    """(exact, tolerance) match per problem, as 0/1."""
+    return [float(s.exact) for s in scored], [float(s.tolerance) for s in scored]
+
+
+def differences(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]],
+                resamples: int) -> dict:
+    """b minus a in exact and tolerance match (paired bootstrap over the same problems): ``flags`` pairs, or
+    per-problem rates averaged over seeds."""
+    return {"exact_match": paired_difference(a[0], b[0], resamples, BOOTSTRAP_SEED),
+            "tolerance_match": paired_difference(a[1], b[1], resamples, BOOTSTRAP_SEED)}
+
+
+def describe_source(data_cfg) -> str:
+    return data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
+
+
+def settings_block(data_cfg, recipe_cfg, n: int, skipped: int) -> dict:
+    """How an eval set was answered and scored (the JSON's settings; compare adds its own keys)."""
+    return {
+        "data": data_cfg.model_dump(mode="json"),
+        "n": n,
+        "skipped_without_answer": skipped,
+        "decoding": "greedy",
+        "max_new_tokens": recipe_cfg.eval.max_new_tokens,
+        "batch_size": recipe_cfg.eval.batch_size,
+        "bootstrap": {"resamples": recipe_cfg.eval.bootstrap, "seed": BOOTSTRAP_SEED, "level": 0.95},
+        "device": recipe_cfg.model.device,
+        "dtype": recipe_cfg.model.dtype,
+    }
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -422,43 +390,26 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str) -> None:
 # ---------------------------------------------------------------------------------------------- entry
 
 
-def run_eval(recipe: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
+def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
              data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
              include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
              overrides: Sequence[str] = (), console: Optional[Console] = None) -> list[ModelResult]:
     """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     console = console or Console()
-    cfg, base, data_cfg, limit, runs = resolve_settings(recipe, runs, model, data, data_format, limit, overrides,
-                                                        console)
+    cfg, base, data_cfg, limit, runs = resolve_settings(recipe_path, runs, model, data, data_format, limit,
+                                                        overrides, console)
     if not include_base and not runs:
         raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
                         "Give run directories, or drop --no-base.")
     check_runs(runs, base)
     problems, skipped = load_problems(data_cfg, console)
-    names = column_names(runs, include_base)
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
-    source = data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
-    title = f"delft eval: {len(problems)} problems from {source}, base model {base}"
-
-    results: list[ModelResult] = []
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
-        for name, adapter in zip(names, adapters):
-            task = progress.add_task(name, total=len(problems))
-            results.append(evaluate_model(name, base, adapter, problems, data_cfg, cfg, progress, task))
-
-    for r in results:
-        r.metrics = summarize(r.scored, cfg.eval.bootstrap, BOOTSTRAP_SEED)
+    title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
+    results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg, cfg,
+                              console)
     if include_base:
-        base_exact = [s.exact for s in results[0].scored]
         for r in results[1:]:
-            r.vs_base = {"exact_match": paired_difference(base_exact, [s.exact for s in r.scored],
-                                                          cfg.eval.bootstrap, BOOTSTRAP_SEED),
-                         "tolerance_match": paired_difference([s.tolerance for s in results[0].scored],
-                                                              [s.tolerance for s in r.scored],
-                                                              cfg.eval.bootstrap, BOOTSTRAP_SEED)}
+            r.vs_base = differences(flags(results[0].scored), flags(r.scored), cfg.eval.bootstrap)
 
     console.print(render_table(results, title))
     for r in results[1:] if include_base else []:
@@ -467,24 +418,12 @@ def run_eval(recipe: Optional[Path] = None, runs: Sequence[str] = (), model: Opt
         span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
         console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
 
-    settings = {
-        "base_model": base,
-        "runs": [str(r) for r in runs],
-        "data": data_cfg.model_dump(mode="json"),
-        "limit": limit,
-        "n": len(problems),
-        "skipped_without_answer": skipped,
-        "decoding": "greedy",
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "batch_size": cfg.eval.batch_size,
-        "bootstrap": {"resamples": cfg.eval.bootstrap, "seed": BOOTSTRAP_SEED, "level": 0.95},
-        "device": cfg.model.device,
-        "dtype": cfg.model.dtype,
-    }
+    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
+                **settings_block(data_cfg, cfg, len(problems), skipped)}
     if json_out is not None:
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(to_json(results, problems, settings), indent=2))
+        write_atomic(json_out, json.dumps(to_json(results, problems, settings), indent=2))
         console.print(f"[green]wrote[/] {json_out}")
     if plot is not None:
         write_plot(results, Path(plot), title)

@@ -18,7 +18,6 @@ A failed check keeps the output, marked with MERGE_CHECK_FAILED.txt, and exits 1
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -32,6 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from delft.errors import UserError, VerificationError
+from delft.models import GGUF_SOURCE
+from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RECIPE, RUN_INFO, has_adapter, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -87,22 +88,19 @@ def normalize_dtype(name: str) -> str:
 
 def check_run_dir(run_dir: Path) -> dict:
     """The run's delft_run.json (may be empty for adapters not written by delft); refuses dirs with no adapter."""
-    from delft.rundir import read_info as read_run_info
-
     if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist", "delft export",
                         "Give the output.dir of a finished `delft train` run.")
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory", "delft export",
                         "Give the output.dir of a finished `delft train` run.")
-    if not (run_dir / "adapter_config.json").is_file() or not any(
-            (run_dir / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-        info = read_run_info(run_dir)
-        hint = (f" (its delft_run.json says status {info.get('status')!r}: finish or resume the training first)"
-                if info.get("status") not in (None, "completed") else "")
-        raise UserError(f"{run_dir} holds no adapter (adapter_config.json + adapter_model.safetensors){hint}",
+    info = read_info(run_dir)
+    if not has_adapter(run_dir):
+        hint = (f" (its {RUN_INFO} says status {info.get('status')!r}: finish or resume the training first)"
+                if info.get("status") not in (None, COMPLETED) else "")
+        raise UserError(f"{run_dir} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]}){hint}",
                         "delft export", "Give the output.dir of a finished `delft train` run.")
-    return read_run_info(run_dir)
+    return info
 
 
 def _within(child: Path, parent: Path) -> bool:
@@ -284,7 +282,7 @@ def _check_files(directory: Path, state: dict) -> tuple[int, list[str], int]:
 def _load_recipe_quietly(run_dir: Path):
     from delft.recipe import load_recipe
 
-    path = run_dir / "recipe.yaml"
+    path = run_dir / RECIPE
     if not path.is_file():
         return None
     try:
@@ -434,110 +432,181 @@ def _describe_merge(info: dict, match_training: bool, gguf: bool) -> tuple[str, 
     return short, detail, notes
 
 
-def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
-               tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
-               console: Optional[Console] = None, base: Optional[str] = None,
-               max_shard_size: str = "2GB") -> ExportResult:
-    """Merge the adapter in ``run_dir`` into its base model and write a standalone model to ``out``.
+@dataclass
+class _Base:
+    """The base model an export merges into, and the run's settings it is loaded with."""
 
-    ``base`` overrides the base recorded in the run's delft_run.json (e.g. when the base has moved).
-    Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
-    in which case ``out`` is still written, marked with MERGE_CHECK_FAILED.txt.
-    """
-    console = console or Console()
-    run_dir, out = Path(run_dir), Path(out)
+    name: str
+    ref: object  # delft.models.ModelRef
+    config: object  # transformers config
+    recipe: object  # the run's Recipe, or None when its recipe.yaml is unreadable
+    revision: Optional[str]
+    remote: bool
+    gguf: bool
+
+
+def _check_arguments(dtype: str, tolerance: Optional[float], device: str) -> str:
+    """The normalised dtype; refuses a negative or NaN tolerance and an unknown device."""
     dtype = normalize_dtype(dtype)
     if tolerance is not None and (tolerance != tolerance or tolerance < 0):
         raise UserError(f"tolerance must be a number >= 0, not {tolerance}", "--tolerance",
                         "Leave it out for the default of the dtype.")
     if device not in ("cpu", "cuda", "auto"):
         raise UserError(f"unknown device {device!r}", "--device", "Use cpu or cuda.")
+    return dtype
+
+
+def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str) -> tuple[dict, _Base, Optional[int]]:
+    """(run info, the base, its parameter count when the files tell it); every refusal before loading weights."""
+    from transformers import AutoConfig
+
+    from delft.models import SMOLLM2_ALIAS, resolve_model
+    from delft.rundir import base_model, check_adapter_matches
 
     info = check_run_dir(run_dir)
-    base = base or info.get("base_model") or _adapter_base(run_dir)
-    if not base:
+    name = base_model(run_dir)
+    if not name:
         raise UserError(f"{run_dir} does not say which base model its adapter belongs to", "delft export",
-                        "Check the run's delft_run.json (base_model).")
+                        f"Check the run's {RUN_INFO} (base_model).")
     check_out(out, force, {"run directory": run_dir})
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from delft.rundir import check_adapter_matches
-    from delft.models import SMOLLM2_ALIAS, load_model, load_tokenizer, resolve_device, resolve_model
-
-    device = resolve_device(device)
     recipe = _load_recipe_quietly(run_dir)
     revision = recipe.model.revision if recipe else None
     remote = recipe.model.trust_remote_code if recipe else False
-    double_quant = recipe.quantization.double_quant if recipe else True
-
-    ref = resolve_model(base, revision)
+    ref = resolve_model(name, revision)
     if ref.is_local:
         check_out(out, force, {"run directory": run_dir, "base model": Path(ref.path)})
-    gguf = base.endswith(".gguf") or base == SMOLLM2_ALIAS or (Path(ref.path) / "delft_source.json").is_file()
+    gguf = name.endswith(".gguf") or name == SMOLLM2_ALIAS or (Path(ref.path) / GGUF_SOURCE).is_file()
     try:
         config = AutoConfig.from_pretrained(ref.path, revision=revision, trust_remote_code=remote)
     except (OSError, ValueError) as e:
-        raise UserError(f"could not read the config of base model {base!r}: {str(e).splitlines()[0]}",
-                        "delft export", "Check the base recorded in the run's delft_run.json.") from None
+        raise UserError(f"could not read the config of base model {name!r}: {str(e).splitlines()[0]}",
+                        "delft export", f"Check the base recorded in the run's {RUN_INFO}.") from None
     if getattr(config, "quantization_config", None):
-        raise UserError(f"base model {base!r} is a pre-quantised checkpoint; merging into 4-bit weights degrades "
+        raise UserError(f"base model {name!r} is a pre-quantised checkpoint; merging into 4-bit weights degrades "
                         "the model", "delft export", "Train and export against the 16-bit model it was made from.")
-    check_adapter_matches(run_dir, base, config, "delft export")
+    check_adapter_matches(run_dir, name, config, "delft export")
     estimate = _local_param_count(ref.path) if ref.is_local else None
     if estimate:
         check_disk(out, estimate, dtype)
+    return info, _Base(name, ref, config, recipe, revision, remote, gguf), estimate
 
-    short, detail, notes = _describe_merge(info, match_training, gguf)
+
+def _announce(run_dir: Path, out: Path, base: _Base, info: dict, detail: str, notes: list[str], dtype: str,
+              device: str, console: Console) -> None:
+    from delft.rundir import COMPLETED
+
     console.print(f"[bold]export[/] {run_dir} -> {out}")
-    console.print(f"  base {base}{(' - ' + ref.note) if ref.note else ''}; merge {detail}; "
+    console.print(f"  base {base.name}{(' - ' + base.ref.note) if base.ref.note else ''}; merge {detail}; "
                   f"dtype {dtype}; device {device}", highlight=False)
-    if info.get("status") not in (None, "completed"):
-        notes.append(f"The run's status is {info.get('status')!r}, not 'completed'.")
-    if recipe is None:
-        notes.append("The run has no readable recipe.yaml: recipe summary left out, double quantisation assumed on.")
+    if info.get("status") not in (None, COMPLETED):
+        notes.append(f"The run's status is {info.get('status')!r}, not {COMPLETED!r}.")
+    if base.recipe is None:
+        notes.append(f"The run has no readable {RECIPE}: recipe summary left out, double quantisation assumed on.")
     for n in notes:
         console.print(f"  [yellow]note[/] {n}", highlight=False)
 
-    tok_path = str(run_dir) if any(run_dir.glob("tokenizer*")) else ref.path
-    tokenizer = load_tokenizer(tok_path, None if tok_path == str(run_dir) else revision, remote)
-    encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(device) for p in CHECK_PROMPTS]
 
-    model = load_model(ref, device, torch.float32, "none", revision=revision, trust_remote_code=remote)
+def _merge(run_dir: Path, base: _Base, device: str, match_training: bool, encoded: list, console: Console):
+    """Base (fp32, optionally nf4 round-tripped) + adapter merged in memory.
+
+    Returns (merged model, base + adapter logits, adapter effect, fp32 merge difference, n_params, layers
+    round-tripped); the logits are the reference every check compares with.
+    """
+    import torch
+    from peft import PeftModel
+
+    from delft.models import load_model
+
+    model = load_model(base.ref, device, torch.float32, "none", revision=base.revision,
+                       trust_remote_code=base.remote)
     n_params = sum(p.numel() for p in model.parameters())
-    if not estimate:
-        check_disk(out, n_params, dtype)
     roundtripped = 0
     if match_training:
+        double_quant = base.recipe.quantization.double_quant if base.recipe else True
         roundtripped = apply_nf4_roundtrip(model, double_quant)
         console.print(f"  nf4 round-trip (blocksize 64, double quant {'on' if double_quant else 'off'}) of "
                       f"{roundtripped} linear layers", highlight=False)
-
-    from peft import PeftModel
-
     try:
         peft_model = PeftModel.from_pretrained(model, str(run_dir))
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UserError(f"the adapter in {run_dir} does not fit {base!r}: {str(e).splitlines()[0]}",
+        raise UserError(f"the adapter in {run_dir} does not fit {base.name!r}: {str(e).splitlines()[0]}",
                         "delft export", "Export it with the base model it was trained on.") from None
     peft_model.eval()
     reference = _logits(peft_model, encoded)
     with peft_model.disable_adapter():
-        base_logits = _logits(peft_model, encoded)
-    adapter_effect = _max_diff(reference, base_logits)
-    del base_logits
+        adapter_effect = _max_diff(reference, _logits(peft_model, encoded))
     merged = peft_model.merge_and_unload()
     merged.eval()
     merge_diff = _max_diff(_logits(merged, encoded), reference)
-    max_logit = max(float(x.abs().max()) for x in reference)
-    scale = max(1.0, max_logit)
-    tol = tolerance if tolerance is not None else REL_TOLERANCE[dtype] * scale
-    merge_tol = tolerance if tolerance is not None else MERGE_REL_TOLERANCE * scale
+    return merged, reference, adapter_effect, merge_diff, n_params, roundtripped
 
-    result = ExportResult(out=str(out), run_dir=str(run_dir), base_model=base, merge=short, merge_detail=detail,
+
+def _save(tmp: Path, merged, tokenizer, result: ExportResult, max_shard_size: str) -> None:
+    """The merged model in the export dtype and the tokenizer into ``tmp``; every written tensor checked."""
+    import torch
+
+    merged.to(getattr(torch, result.dtype))
+    merged.config.use_cache = True
+    merged.save_pretrained(tmp, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(tmp)
+    result.tensors_checked, result.tensors_mismatched, unknown = _check_files(tmp, merged.state_dict())
+    if unknown:
+        result.notes.append(f"{unknown} tensors in the files have names the merged model does not use "
+                            "(not compared bit for bit; the reload check covers them).")
+    shards = sorted(tmp.glob("*.safetensors"))
+    result.shards = len(shards)
+    result.size_bytes = sum(f.stat().st_size for f in shards)
+
+
+def _verify_reload(tmp: Path, encoded: list, reference: list, result: ExportResult, base: _Base, device: str) -> None:
+    """Reload ``tmp`` with plain transformers (fp32) and compare its logits with base + adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from delft.generate import free_memory
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
+                                                    trust_remote_code=base.remote).to(device).eval()
+    result.max_abs_diff = _max_diff(_logits(reloaded, encoded), reference)
+    del reloaded
+    free_memory()
+    result.passed = (result.max_abs_diff <= result.tolerance and result.merge_abs_diff <= result.merge_tolerance
+                     and not result.tensors_mismatched and result.tensors_checked > 0)
+
+
+def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
+               tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
+               console: Optional[Console] = None, max_shard_size: str = "2GB") -> ExportResult:
+    """Merge the adapter in ``run_dir`` into its base model and write a standalone model to ``out``.
+
+    Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
+    in which case ``out`` is still written, marked with MERGE_CHECK_FAILED.txt.
+    """
+    from delft.generate import free_memory
+    from delft.models import load_tokenizer, resolve_device
+    from delft.rundir import tokenizer_source
+
+    console = console or Console()
+    run_dir, out = Path(run_dir), Path(out)
+    dtype = _check_arguments(dtype, tolerance, device)
+    info, base, estimate = _resolve_base(run_dir, out, force, dtype)
+    device = resolve_device(device)
+    short, detail, notes = _describe_merge(info, match_training, base.gguf)
+    _announce(run_dir, out, base, info, detail, notes, dtype, device, console)
+
+    tok_path = tokenizer_source(run_dir, base.ref.path)
+    tokenizer = load_tokenizer(tok_path, None if tok_path == str(run_dir) else base.revision, base.remote)
+    encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(device) for p in CHECK_PROMPTS]
+    merged, reference, adapter_effect, merge_diff, n_params, roundtripped = _merge(
+        run_dir, base, device, match_training, encoded, console)
+    if not estimate:
+        check_disk(out, n_params, dtype)
+    scale = max(1.0, max(float(x.abs().max()) for x in reference))
+    tol = tolerance if tolerance is not None else REL_TOLERANCE[dtype] * scale
+    result = ExportResult(out=str(out), run_dir=str(run_dir), base_model=base.name, merge=short, merge_detail=detail,
                           dtype=dtype, n_params=n_params, merge_abs_diff=merge_diff, adapter_effect=adapter_effect,
-                          max_abs_logit=max_logit, tolerance=tol, merge_tolerance=merge_tol,
+                          max_abs_logit=max(float(x.abs().max()) for x in reference), tolerance=tol,
+                          merge_tolerance=tolerance if tolerance is not None else MERGE_REL_TOLERANCE * scale,
                           roundtripped_layers=roundtripped, notes=notes)
     if adapter_effect <= tol:
         result.notes.append(f"The adapter changes logits by at most {adapter_effect:.3g}, not more than the "
@@ -547,31 +616,11 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        merged.to(getattr(torch, dtype))
-        merged.config.use_cache = True
-        merged.save_pretrained(tmp, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
-        state = merged.state_dict()
-        result.tensors_checked, result.tensors_mismatched, unknown = _check_files(tmp, state)
-        if unknown:
-            result.notes.append(f"{unknown} tensors in the files have names the merged model does not use "
-                                "(not compared bit for bit; the reload check covers them).")
-        del state, merged, peft_model, model
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
-                                                        trust_remote_code=remote).to(device).eval()
-        result.max_abs_diff = _max_diff(_logits(reloaded, encoded), reference)
-        del reloaded
-        gc.collect()
-        result.passed = (result.max_abs_diff <= tol and merge_diff <= merge_tol
-                         and not result.tensors_mismatched and result.tensors_checked > 0)
-        shards = sorted(tmp.glob("*.safetensors"))
-        result.shards = len(shards)
-        result.size_bytes = sum(f.stat().st_size for f in shards)
-        evals = eval_headline(run_dir)
-        (tmp / "README.md").write_text(model_card(result, info, recipe, evals, run_dir))
+        _save(tmp, merged, tokenizer, result, max_shard_size)
+        del merged  # its weights go before the reload
+        free_memory()
+        _verify_reload(tmp, encoded, reference, result, base, device)
+        (tmp / "README.md").write_text(model_card(result, info, base.recipe, eval_headline(run_dir), run_dir))
         (tmp / EXPORT_INFO).write_text(json.dumps(_export_info(result, info), indent=2))
         if not result.passed:
             (tmp / MARKER).write_text(_failure_text(result))
@@ -587,13 +636,6 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
                                 "--dtype float32 to tell rounding from a wrong merge, or --tolerance to accept it.")
     console.print(f"[bold green]done[/] merged model in {out} (loads with AutoModelForCausalLM.from_pretrained)")
     return result
-
-
-def _adapter_base(run_dir: Path) -> Optional[str]:
-    try:
-        return json.loads((run_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
-        return None
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

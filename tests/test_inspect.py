@@ -144,7 +144,7 @@ def test_greedy_records_match_full_forward(digit_model_dir):
     model = AutoModelForCausalLM.from_pretrained(digit_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(digit_model_dir)
     prompt_text = chat_prompt(tok)
-    answer = di.greedy_answer(model, tok, prompt_text, 6, chat=True)
+    answer = di.greedy_answer(model, tok, prompt_text, 6, chat=True).answer_ids
     assert 0 < len(answer) <= 6
     records = di.compute_records(model, tok, prompt_text, answer)
     digits, mass, tok_p, full = reference(model, tok, prompt_text, answer)
@@ -171,6 +171,9 @@ def test_places_dots_and_separators(tiny_tokenizer):
     assert label("1,23 and 4.5") == [("1", "digit", 0, 1), ("2", "digit", 1, 2), ("3", "digit", 1, 1),
                                      ("4", "digit", 2, 1), (".", "point", 2, None), ("5", "digit", 2, -1)]
     assert label("... no") == []
+    # a ',' after a non-digit is not a thousands separator (it used to raise a TypeError)
+    assert label("x,123 and ,456") == [(c, "digit", n, p) for n, run in enumerate(("123", "456"))
+                                       for c, p in zip(run, (3, 2, 1))]
 
 
 # -------------------------------------------------------------------------------------- table and JSON
@@ -253,9 +256,12 @@ def test_target_numbers_accepted(good):
     assert di.check_target(good) == good.strip()
 
 
-def test_answer_without_digits(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(di, "greedy_answer", lambda model, tok, prompt_text, n, chat: tok.encode(
-        "no idea", add_special_tokens=False))
+def test_answer_without_digits(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    from delft.generate import Generation
+
+    ids = tiny_tokenizer.encode("no idea", add_special_tokens=False)
+    monkeypatch.setattr(di, "greedy_answer", lambda model, tok, prompt_text, n, chat: Generation(
+        ids, ids, "no idea", "no idea"))
     console = Console(record=True, width=200)
     out = tmp_path / "none.json"
     plot = tmp_path / "none.png"
@@ -344,3 +350,28 @@ def test_cli_target_json(tiny_model_dir, tmp_path):
     assert data["target"] == "12" and len(data["models"][0]["numbers"][0]["positions"]) == 2
     bad = CliRunner().invoke(app, ["inspect", "--model", str(tiny_model_dir), "--target", "twelve", PROMPT])
     assert bad.exit_code == 2
+
+
+# ------------------------------------------------------------------------------------ eval and inspect
+
+
+@pytest.mark.parametrize("template", ["chat", "plain"])
+def test_eval_and_inspect_give_the_same_answer(tiny_model_dir, tmp_path, template):
+    """One generator (delft.generate): eval extracts from the very answer text that inspect shows."""
+    from delft.answers import cut_at_stop, extract_answer
+    from delft.evaluate import run_eval
+
+    prompts = [PROMPT, "What is 12 * 34?", "Q: 1,250.5 - 93 ="]
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completion": "1"}) + "\n" for p in prompts))
+    overrides = [f"data.template={template}", "eval.max_new_tokens=24", "eval.batch_size=2", "eval.bootstrap=10"]
+    [evaluated] = run_eval(None, [], str(tiny_model_dir), str(data), "prompt_completion", None, True, None, None,
+                           overrides, Console(record=True, width=200))
+    assert evaluated.template == template
+    for prompt, rendered, generated in zip(prompts, evaluated.prompts, evaluated.generated):
+        result = di.run_inspect(None, prompt, str(tiny_model_dir), [], None, 24, None, None, overrides,
+                                Console(record=True, width=200))
+        view = result.models[0]
+        assert view.prompt_text == rendered and view.template == template
+        assert result.answer == cut_at_stop(generated, evaluated.stop_strings)
+        assert extract_answer(result.answer, evaluated.stop_strings).value == extract_answer(generated, evaluated.stop_strings).value
