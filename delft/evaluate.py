@@ -19,7 +19,7 @@ from rich.table import Table
 from delft import __version__
 from delft.answers import (CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, Scored, canonical, cut_at_stop, extract_answer,
                            paired_difference, parse_number, place_order, score, summarize)
-from delft.data import prompt_ids
+from delft.data import EVAL_SEED_OFFSET, prompt_ids
 from delft.digits import place_name
 from delft.errors import UserError
 
@@ -101,7 +101,7 @@ def resolve_settings(recipe: Optional[Path], runs: Sequence[str], model: Optiona
     if (data_cfg.source == "synthetic" and cfg.data.source == "synthetic"
             and data_cfg.synthetic.seed == cfg.data.synthetic.seed):
         # An eval set equal to the training problems would measure memorisation.
-        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + 1_000_003})
+        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
     if not runs and recipe is not None:
         finished = _finished_run(Path(cfg.output.dir))
         if finished is not None:
