@@ -48,6 +48,7 @@ def test_loss_falls_and_run_dir_is_complete(tmp_path, tiny_model_dir):
         assert (run / name).is_file(), name
     info = json.loads((run / "delft_run.json").read_text())
     assert info["status"] == "completed" and info["step"] == 30
+    assert info["loss_path"] == "chunked_ce" and info["liger_kernels"] == []  # CPU, fused_loss auto: chunked CE
     assert load_recipe(run / "recipe.yaml") == load_recipe(path)
 
 
