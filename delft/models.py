@@ -267,7 +267,7 @@ def apply_liger_layers(model) -> list[str]:
 
     The same kernels as gpu.md's Liger peer ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
     compared like for like; Liger's case for them is speed (counted on the CPU, they change a layer's memory by
-    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.loss_sums), so Liger's CE
+    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.Loss.sums), so Liger's CE
     patches stay off. Call before LoRA wraps the model. The RoPE patch replaces the module-level function of
     the architecture's modeling file (Liger's design), so it holds for every model of that type in this
     process.

@@ -30,7 +30,7 @@ def restore_rope(monkeypatch):
 
 
 def build_arch(tok, arch: str):
-    """The tiny test model as Llama, or as Qwen2 (q/k/v biases), the architecture of gpu.md's peers."""
+    """The tiny test model as Llama, or as Qwen2 (q/k/v biases), the architecture of docs/gpu.md's peers."""
     if arch == "llama":
         return build_model(tok, hidden=32, layers=2)
     from transformers import Qwen2Config, Qwen2ForCausalLM

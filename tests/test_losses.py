@@ -118,7 +118,7 @@ def test_ntl_and_dist2_one_position_by_hand(tok, vocab):
     assert NumberTokenLoss(tok, "was")(z, labels).item() == pytest.approx(was, rel=1e-6)
     assert NumberTokenLoss(tok, "mse")(z, labels).item() == pytest.approx(mse, rel=1e-6)
     assert Dist2Loss(tok, tau=tau)(z, labels).item() == pytest.approx(kl, rel=1e-5)
-    # tau = 1, y = 5: the target is ~0.56 on 5 and ~0.21 on 4 and 6 (losses.md); predicting it exactly costs 0
+    # tau = 1, y = 5: the target is ~0.56 on 5 and ~0.21 on 4 and 6 (docs/losses.md); predicting it exactly costs 0
     q1 = torch.tensor([math.exp(-((k - 5) ** 2)) for k in range(10)])
     q1 = q1 / q1.sum()
     assert q1[5].item() == pytest.approx(0.56, abs=0.01) and q1[4].item() == pytest.approx(0.21, abs=0.01)

@@ -1,4 +1,4 @@
-"""delft.plan: the memory estimate against gpu.md's H200 measurements, its arithmetic, and the --plan command."""
+"""delft.plan: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
 
 import json
 
@@ -25,7 +25,7 @@ def recipe(**sections):
 
 @pytest.mark.parametrize("row", calibration_table(), ids=lambda r: f"{r['model']}-{r['batch']}x{r['seq']}")
 def test_estimate_within_20_percent_of_gpu_md(row):
-    """gpu.md's 'chunked CE + 10-row digit term' peaks (torch max allocated, H200).
+    """docs/gpu.md's 'chunked CE + 10-row digit term' peaks (torch max allocated, H200).
 
     The probe that measured them kept the previous variant's bf16 logits (batch x seq x vocab) alive during the
     first chunked step, so the like-for-like comparison adds them; the raw gap is recorded in
@@ -41,7 +41,7 @@ def test_estimate_within_20_percent_of_gpu_md(row):
 
 @pytest.mark.parametrize("row", liger_calibration_table("del"), ids=lambda r: f"{r['model']}-{r['batch']}x{r['seq']}")
 def test_fused_estimate_within_10_percent_of_gpu_md_liger_rows(row):
-    """gpu.md's 'Liger kernels, CE only' peaks, to which LIGER_LAYER_FIT was fitted: a regression check of the
+    """docs/gpu.md's 'Liger kernels, CE only' peaks, to which LIGER_LAYER_FIT was fitted: a regression check of the
     fit, not a measurement of delft (bench/train_bench.py --gpu measures delft_del / liger_ce)."""
     assert (row["model"], row["batch"], row["seq"]) in {("0.5b", 8, 512), ("1.5b", 4, 1024), ("7b", 1, 4096)}
     assert abs(row["ratio"] - 1) <= 0.10, row
