@@ -34,6 +34,8 @@ def build():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from delft.data import IGNORE
+
     torch.manual_seed(SETUP["seed"])
     cfg = LlamaConfig(vocab_size=SETUP["vocab"], hidden_size=SETUP["hidden"], intermediate_size=SETUP["intermediate"],
                       num_hidden_layers=SETUP["layers"], num_attention_heads=SETUP["heads"],
@@ -52,7 +54,7 @@ def build():
             ids[b, t:t + n] = torch.tensor(run)
             t += n + int(torch.randint(8, 24, (1,), generator=g))
     labels = ids.clone()
-    labels[:, :SETUP["prompt"]] = -100
+    labels[:, :SETUP["prompt"]] = IGNORE
     return model, ids, labels
 
 

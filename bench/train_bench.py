@@ -164,10 +164,12 @@ def pad_to(batch: dict, width: int, pad_id: int) -> dict:
     """delft.data.collate pads to the longest row; the benchmark pads every config to the same width."""
     import torch
 
+    from delft.data import IGNORE
+
     n = batch["input_ids"].shape[1]
     if n >= width:
         return batch
-    fill = {"input_ids": pad_id, "labels": -100, "attention_mask": 0}
+    fill = {"input_ids": pad_id, "labels": IGNORE, "attention_mask": 0}
     return {k: torch.cat([v, torch.full((v.shape[0], width - n), fill[k], dtype=v.dtype)], 1) for k, v in batch.items()}
 
 
@@ -374,6 +376,7 @@ def peer_model(spec: dict):
         rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
         tokens = positions = [b["input_ids"].numel() for b in batches]
     else:
+        from delft.data import IGNORE
         from delft.models import resolve_model
 
         s, items, pad = cpu_items()
@@ -387,7 +390,7 @@ def peer_model(spec: dict):
             k = T - len(it.input_ids)
             rows.append({"input_ids": torch.tensor(it.input_ids + [pad] * k),
                          "attention_mask": torch.tensor([1] * len(it.input_ids) + [0] * k),
-                         "labels": torch.tensor(it.labels + [-100] * k)})
+                         "labels": torch.tensor(it.labels + [IGNORE] * k)})
         tokens = [sum(len(x.input_ids) for x in items[i * B:(i + 1) * B]) for i in range(n)]
         positions = [B * T] * n
     if config == "trl_sft":

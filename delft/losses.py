@@ -245,7 +245,9 @@ class Sums:
         return Sums(self.ce + other.ce, self.term + other.term, self.counts + other.counts)
 
     def detach(self) -> "Sums":
-        return Sums(float(self.ce), float(self.term), self.counts)
+        """Floats, out of the graph: for logging and for adding up over batches."""
+        value = lambda x: float(x.detach()) if isinstance(x, Tensor) else float(x)  # noqa: E731
+        return Sums(value(self.ce), value(self.term), self.counts)
 
 
 class Loss:

@@ -146,8 +146,8 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
     """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
 
     ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (``planned_fused``
-    tells whether the recipe's run takes that path). ``label_fraction`` is the share of positions with a label (1.0: the upper
-    bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
+    tells whether the recipe's run takes that path). ``label_fraction`` is the share of positions with a label
+    (1.0: the upper bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
     peak_allocated (what torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
     """
     s = model_shape(config)

@@ -108,7 +108,8 @@ class TrainConfig(Section):
 
 class LossConfig(Section):
     type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
-        "del", description="The digit term added to CE: " + "; ".join(f"{t.name}: {t.summary}" for t in LOSS_TYPES.values()))
+        "del", description="The digit term added to CE: "
+        + "; ".join(f"{t.name}: {t.summary}" for t in LOSS_TYPES.values()))
     weight: Optional[float] = Field(
         None, ge=0, description="lambda in CE + lambda * term; default per type ("
         + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + ").")

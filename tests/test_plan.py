@@ -129,3 +129,22 @@ def test_cli_plan_bad_budget_is_a_user_error(tmp_path, tiny_model_dir):
     r = runner.invoke(app, ["recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan",
                             "--gpu-memory", "plenty"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_plan_takes_the_fused_path_by_trainings_rule():
+    """planned_fused is fused_applies on a CUDA machine; 'on' without liger-kernel is planned fused, with a warning."""
+    import importlib.util
+
+    from delft.loss_types import fused_applies
+    from delft.plan import planned_fused
+
+    have = importlib.util.find_spec("liger_kernel") is not None
+    for mode in ("off", "auto", "on"):
+        fused, liger, warning = planned_fused(validate_recipe({"train": {"fused_loss": mode}}))
+        assert liger == have and fused == (fused_applies(mode, True, have)[0] or mode == "on")
+        assert bool(warning) == (mode == "on" and not have)
+    assert fused_applies("auto", cuda=True, liger=True) == (True, "")
+    assert fused_applies("auto", cuda=False, liger=True, interpreter=True) == (False, "")  # never the slow interpreter
+    assert fused_applies("on", cuda=False, liger=True, interpreter=True) == (True, "")
+    assert "no CUDA" in fused_applies("on", cuda=False, liger=True)[1]
+    assert "not installed" in fused_applies("on", cuda=True, liger=False)[1]
