@@ -230,6 +230,10 @@ class Counts(NamedTuple):
         return Counts(self.labels + other.labels, self.digits + other.digits)
 
 
+def _scalar(x) -> float:
+    return float(x.detach()) if isinstance(x, Tensor) else float(x)
+
+
 @dataclass
 class Sums:
     """One micro-batch's (or several, added) CE and digit-term sums with its own counts.
@@ -246,8 +250,7 @@ class Sums:
 
     def detach(self) -> "Sums":
         """Floats, out of the graph: for logging and for adding up over batches."""
-        value = lambda x: float(x.detach()) if isinstance(x, Tensor) else float(x)  # noqa: E731
-        return Sums(value(self.ce), value(self.term), self.counts)
+        return Sums(_scalar(self.ce), _scalar(self.term), self.counts)
 
 
 class Loss:

@@ -95,6 +95,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, mo
     steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(ln)]
     assert steps == [1, 2, 3, 4, 5, 6]  # no duplicated or missing log lines
+    assert json.loads((run_dir / "delft_run.json").read_text())["loss_path"] == "chunked_ce"
 
 
 def test_existing_run_is_never_overwritten_without_force(tmp_path, tiny_model_dir):
