@@ -138,14 +138,14 @@ def forward_sums(model, batch: dict, loss):
 def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
     """Backward over the micro-batches, normalised by the whole optimizer batch's counts; returns the step's
     loss, CE and term (``Loss.means``), its real tokens and digit labels."""
-    from delft.losses import Counts
+    from delft.losses import Counts, Sums
 
     counts = sum((loss.count(targets(b)) for b in batches), Counts(0, 0))
-    total = None
+    total = Sums(0.0, 0.0, Counts(0, 0))
     for b in batches:
         sums = forward_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
         loss.combine(sums, counts).backward()
-        total = sums.detach() if total is None else total + sums.detach()
+        total = total + sums.detach()
     tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
     return {**loss.means(total, counts), "tokens": tokens, "n_digits": counts.digits}
 
