@@ -2,7 +2,7 @@
 
     python bench/layer_memory.py            # ~1 min on 2 cores; writes bench/results/layer_memory_cpu.json
 
-Builds 2-layer random-init Qwen2 models with the layer shapes of gpu.md's 0.5B, 1.5B and 7B (bf16, LoRA r=16 on
+Builds 2-layer random-init Qwen2 models with the layer shapes of docs/gpu.md's 0.5B, 1.5B and 7B (bf16, LoRA r=16 on
 every projection, non-reentrant gradient checkpointing, as delft trains), runs one forward and backward of T
 tokens, and counts every tensor storage the step allocates through torch's dispatcher (a TorchDispatchMode that
 adds a storage's bytes when an op creates it and subtracts them when it is freed; weights and buffers are not
@@ -30,7 +30,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger_kernel is importe
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {  # hidden, intermediate, heads, kv heads (docs gpu_probe.py's Qwen2 configs)
+SHAPES = {  # hidden, intermediate, heads, kv heads (the Qwen2 configs of docs/gpu.md's probe)
     "0.5b": (896, 4864, 14, 2),
     "1.5b": (1536, 8960, 12, 2),
     "7b": (3584, 18944, 28, 4),

@@ -34,6 +34,8 @@ def build():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from delft.data import IGNORE
+
     torch.manual_seed(SETUP["seed"])
     cfg = LlamaConfig(vocab_size=SETUP["vocab"], hidden_size=SETUP["hidden"], intermediate_size=SETUP["intermediate"],
                       num_hidden_layers=SETUP["layers"], num_attention_heads=SETUP["heads"],
@@ -52,19 +54,21 @@ def build():
             ids[b, t:t + n] = torch.tensor(run)
             t += n + int(torch.randint(8, 24, (1,), generator=g))
     labels = ids.clone()
-    labels[:, :SETUP["prompt"]] = -100
+    labels[:, :SETUP["prompt"]] = IGNORE
     return model, ids, labels
 
 
 def step_fn(config, model, ids, labels):
 
     from delft.digits import DigitVocab
-    from delft.losses import LossSpec, count_items, loss_sums
+    from delft.losses import Loss
 
     vocab = DigitVocab(DIGIT_IDS, DOT_ID)
-    spec = LossSpec("del", 0.3, 1.0, vocab) if config == "delft_ce_del" else LossSpec("ce", 0.0, 1.0, None)
+    loss_fn = Loss("del", 0.3, vocab, chunk_size=SETUP["chunk_size"]) if config == "delft_ce_del" else \
+        Loss("ce", 0.0, vocab, chunk_size=SETUP["chunk_size"])
     shifted = labels[:, 1:]
-    n_lab, n_dig = count_items(shifted, vocab)
+    counts = loss_fn.count(shifted)
+    n_lab, n_dig = counts
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -72,10 +76,7 @@ def step_fn(config, model, ids, labels):
             loss = model(input_ids=ids, labels=labels).loss
         else:
             hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-            s = loss_sums(hidden, model.lm_head, shifted, spec, SETUP["chunk_size"])
-            loss = s["ce_sum"] / n_lab
-            if spec.has_term:
-                loss = loss + spec.weight * s["term_sum"] / n_dig
+            loss = loss_fn.combine(loss_fn.sums(hidden, model.lm_head, shifted), counts)
         loss.backward()
         return float(loss.detach())
 

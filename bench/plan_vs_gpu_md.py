@@ -1,8 +1,8 @@
-"""delft.plan's estimate against the H200 measurements of docs gpu.md; writes bench/results/plan_vs_gpu_md.json.
+"""delft.plan's estimate against the H200 measurements of docs/gpu.md; writes bench/results/plan_vs_gpu_md.json.
 
     python bench/plan_vs_gpu_md.py      # instant: pure arithmetic on config dicts, no torch, no files read
 
-gpu.md's "chunked CE + 10-row digit term" rows were measured by gpu_probe.py, which runs its loss variants one
+docs/gpu.md's "chunked CE + 10-row digit term" rows were measured by docs/gpu.md's probe, which runs its loss variants one
 after another in one process. Its loop keeps the previous variant's `out` (a CausalLMOutput holding bf16 logits of
 batch x seq x vocab) alive until the first chunked step has finished, and resets the peak counter before that step,
 so each of those peaks includes one full bf16 logits tensor that delft's step never holds. The like-for-like
@@ -22,7 +22,7 @@ from delft import plan  # noqa: E402
 
 
 def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
-    """gpu.md's Liger rows from the plan's persistent terms + the layer cost counted on the CPU.
+    """docs/gpu.md's Liger rows from the plan's persistent terms + the layer cost counted on the CPU.
 
     bench/layer_memory.py counts, per token, what one checkpointed LoRA layer allocates in recompute + backward
     (Liger's layer kernels on). Swapping that in for the plan's fitted layer term (and keeping the nf4
@@ -57,7 +57,7 @@ def main():
              for r in plan.liger_calibration_table("del")]
     cross = cpu_layer_cross_check(liger)
     report = dict(
-        source="docs gpu.md (H200, torch 2.11 cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2; "
+        source="docs/gpu.md (H200, torch 2.11 cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2; "
                "random-init Qwen2 shapes, nf4 + double quant, bf16, LoRA r=16 all-linear, no dropout, "
                "non-reentrant gradient checkpointing, CE over every position in chunks of 1024)",
         measured="torch.cuda.max_memory_allocated, warmup steps included",
@@ -72,7 +72,7 @@ def main():
         within_20_percent=all(abs(r["error"]) <= 0.2 for r in rows),
         liger=dict(
             what="delft's fused path (Liger fused linear CE + RMSNorm/SwiGLU/RoPE kernels, DEL on) estimated on the "
-                 "shapes of gpu.md's 'Liger kernels, CE only' rows. LIGER_LAYER_FIT was fitted to those rows, so "
+                 "shapes of docs/gpu.md's 'Liger kernels, CE only' rows. LIGER_LAYER_FIT was fitted to those rows, so "
                  "the ratio is the plan's prediction for delft_del / liger_ce, not a measurement.",
             LIGER_LAYER_FIT=plan.LIGER_LAYER_FIT,
             rows=liger,
@@ -88,7 +88,7 @@ def main():
         print(f"{r['model']:<6}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['measured_gib']:>10.2f}"
               f"{r['estimate_gib']:>10.2f}{r['estimate_plus_leftover_gib']:>11.2f}{r['error']:>+8.1%}"
               f"{r['error_without_leftover']:>+11.1%}")
-    print("\ndelft DEL, fused path (predicted) vs gpu.md's Liger CE-only peak (the fit's own rows)")
+    print("\ndelft DEL, fused path (predicted) vs docs/gpu.md's Liger CE-only peak (the fit's own rows)")
     for r in liger:
         print(f"{r['model']:<6}{str(r['batch']) + ' x ' + str(r['seq']):>12}{r['measured_liger_ce_gib']:>10.2f}"
               f"{r['estimate_gib']:>10.2f}{r['ratio']:>8.2f}x")

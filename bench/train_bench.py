@@ -8,14 +8,14 @@ Every configuration runs in a fresh subprocess on the same model, the same examp
 same batch shapes, with the same LoRA (r=16, alpha 32, no dropout, all linear projections), AdamW (lr 2e-4),
 gradient clipping at 1.0 and non-reentrant gradient checkpointing:
 
-  delft_*      delft's own step: delft.train.optimizer_step with a LossSpec from delft.losses.make_term
+  delft_*      delft's own step: delft.train.optimizer_step with the recipe's delft.losses.Loss
                (hidden states from the decoder, CE in checkpointed chunks over labelled rows, digit term from the
                ten digit rows); *_packed uses delft.data.collate_packed instead of padding.
   trainer_ce   the usual pipeline: transformers Trainer, model(labels=...) (full-vocabulary logits), peft LoRA;
                on GPU with peft's prepare_model_for_kbit_training, as most QLoRA tutorials do.
   trl_sft      TRL's SFTTrainer with the same LoRA (fp32 on CPU, use_cpu=True; its defaults on GPU).
   liger_ce     GPU only: Trainer + model(labels=...) with liger_kernel.transformers.apply_liger_kernel_to_qwen2
-               (fused linear CE, RMSNorm, SwiGLU, RoPE), no fp32 upcasts: the memory bar of docs gpu.md.
+               (fused linear CE, RMSNorm, SwiGLU, RoPE), no fp32 upcasts: the memory bar of docs/gpu.md.
   paired       CPU: delft CE and DEL steps interleaved (ABBA) in one process, for the DEL-overhead target.
 
 Peak memory: CPU peak RSS from resource.getrusage after /proc/self/clear_refs resets the high-water mark once the
@@ -43,7 +43,7 @@ RESULTS = ROOT / "bench" / "results"
 CPU_SETUP = dict(model="smollm2-135m", batch=8, max_length=64, template="plain", n_examples=400, warmup=2, steps=12,
                  lr=2e-4, lora_r=16, lora_alpha=32, chunk_size=1024, gradient_checkpointing=True, seed=0)
 CPU_CONFIGS = ("delft_ce", "delft_del", "delft_ce_packed", "delft_del_packed", "trainer_ce", "trl_sft", "paired")
-GPU_SIZES = {  # as docs gpu_probe.py builds them; batch shapes as gpu.md's table
+GPU_SIZES = {  # the probe's Qwen2 shapes; batch shapes as docs/gpu.md's table
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, batch=8, seq=512),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -156,7 +156,7 @@ def cpu_items():
 
     from delft.train import setup
 
-    s = setup(cpu_recipe("del"), Console(file=open(os.devnull, "w")))
+    s = setup(cpu_recipe("del"))
     return s, s.train, s.tokenizer.pad_token_id
 
 
@@ -164,15 +164,17 @@ def pad_to(batch: dict, width: int, pad_id: int) -> dict:
     """delft.data.collate pads to the longest row; the benchmark pads every config to the same width."""
     import torch
 
+    from delft.data import IGNORE
+
     n = batch["input_ids"].shape[1]
     if n >= width:
         return batch
-    fill = {"input_ids": pad_id, "labels": -100, "attention_mask": 0}
+    fill = {"input_ids": pad_id, "labels": IGNORE, "attention_mask": 0}
     return {k: torch.cat([v, torch.full((v.shape[0], width - n), fill[k], dtype=v.dtype)], 1) for k, v in batch.items()}
 
 
 def gpu_batch(size: str, n_steps: int):
-    """Random ids with digit runs (about a fifth of the tokens), labels on every position (as gpu_probe.py)."""
+    """Random ids with digit runs (about a fifth of the tokens), labels on every position (as docs/gpu.md's probe)."""
     import torch
 
     cfg = GPU_SIZES[size]
@@ -222,8 +224,8 @@ def run_delft(spec: dict) -> dict:
     from rich.console import Console
 
     from delft.data import collate, collate_packed
-    from delft.losses import make_term
-    from delft.recipe import LossConfig
+    from delft.loss_types import FUSED_CE
+    from delft.losses import Loss
     from delft.train import optimizer_step
 
     config, gpu = spec["config"], spec["gpu"]
@@ -232,7 +234,6 @@ def run_delft(spec: dict) -> dict:
     quiet = Console(file=open(os.devnull, "w"))
     if gpu:
         from delft.digits import DigitVocab
-        from delft.losses import resolve_fused
         from delft.models import ModelRef, apply_liger_layers, apply_lora, load_model
         from delft.recipe import validate_recipe
 
@@ -246,8 +247,8 @@ def run_delft(spec: dict) -> dict:
         path = gpu_model_dir(size)
         torch.manual_seed(0)
         model = load_model(ModelRef(size, str(path), True), device, torch.bfloat16, "nf4", True)
-        fused = resolve_fused(recipe.train.fused_loss, device)
-        if fused:  # as delft train does: the same layer kernels as the Liger peer
+        loss = Loss.from_recipe(recipe, vocab, device)
+        if loss.fused:  # as delft train does: the same layer kernels as the Liger peer
             apply_liger_layers(model)
         model = apply_lora(model, recipe.lora, True)
         batches = gpu_batch(size, spec["warmup"] + spec["steps"])
@@ -255,14 +256,13 @@ def run_delft(spec: dict) -> dict:
         from delft.train import build_model, setup
 
         recipe = cpu_recipe(loss_type, packed)
-        s = setup(recipe, quiet)
+        s = setup(recipe)
         model, _, _ = build_model(s, quiet)
-        vocab, device, fused = s.spec.vocab, "cpu", False
+        loss, device = s.loss, "cpu"
         B, T, pad = CPU_SETUP["batch"], CPU_SETUP["max_length"], s.tokenizer.pad_token_id
         n = spec["warmup"] + spec["steps"]
         items = [s.train[i * B:(i + 1) * B] for i in range(n)]
         batches = [collate_packed(it, pad, T) if packed else pad_to(collate(it, pad), T, pad) for it in items]
-    spec_loss = make_term(LossConfig(type=loss_type), vocab)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.train.learning_rate)
@@ -273,14 +273,15 @@ def run_delft(spec: dict) -> dict:
     losses = []
     for b in batches:
         meter.begin()
-        out = optimizer_step(model, [b], spec_loss, recipe, device, fused)
+        out = optimizer_step(model, [b], loss, device)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         meter.end()
-        losses.append(out["ce"] + spec_loss.weight * out["term"])
+        losses.append(out["loss"])
     return summary(meter, spec["warmup"], tokens, positions, loss_first=losses[0], loss_last=losses[-1],
-                   fused_ce=fused, loss_weight=spec_loss.weight, rows=batches[0]["input_ids"].shape[0],
+                   fused_ce=loss.path_ran == FUSED_CE, loss_path=loss.path_ran, loss_weight=loss.weight,
+                   rows=batches[0]["input_ids"].shape[0],
                    width=batches[0]["input_ids"].shape[1])
 
 
@@ -294,16 +295,15 @@ def run_paired(spec: dict) -> dict:
     from rich.console import Console
 
     from delft.data import collate, collate_packed
-    from delft.losses import make_term
-    from delft.recipe import LossConfig
+    from delft.losses import Loss
     from delft.train import build_model, optimizer_step, setup
 
     quiet = Console(file=open(os.devnull, "w"))
     recipe = cpu_recipe("del")
-    s = setup(recipe, quiet)
+    s = setup(recipe)
     model, _, _ = build_model(s, quiet)
     model.train()
-    specs = {k: make_term(LossConfig(type=k), s.spec.vocab) for k in ("ce", "del")}
+    losses = {k: Loss.from_recipe(cpu_recipe(k), s.loss.vocab, "cpu") for k in ("ce", "del")}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.train.learning_rate)
     B, T, pad = CPU_SETUP["batch"], CPU_SETUP["max_length"], s.tokenizer.pad_token_id
@@ -311,11 +311,11 @@ def run_paired(spec: dict) -> dict:
     def hf_loop(b):
         model(**b).loss.backward()  # input_ids, attention_mask, labels: the model's own full-logits CE
 
-    steps = {"ce": lambda b: optimizer_step(model, [b], specs["ce"], recipe, "cpu"),
-             "del": lambda b: optimizer_step(model, [b], specs["del"], recipe, "cpu"),
+    steps = {"ce": lambda b: optimizer_step(model, [b], losses["ce"], "cpu"),
+             "del": lambda b: optimizer_step(model, [b], losses["del"], "cpu"),
              "hf_loop": hf_loop,
-             "ce_packed": lambda b: optimizer_step(model, [b], specs["ce"], recipe, "cpu"),
-             "del_packed": lambda b: optimizer_step(model, [b], specs["del"], recipe, "cpu")}
+             "ce_packed": lambda b: optimizer_step(model, [b], losses["ce"], "cpu"),
+             "del_packed": lambda b: optimizer_step(model, [b], losses["del"], "cpu")}
     names = list(steps) if spec["config"] == "paired" else ["ce_packed", "del_packed"]  # paired_packed
     times = {k: ([], []) for k in names}
     for i in range(spec["warmup"] + spec["steps"]):
@@ -376,6 +376,7 @@ def peer_model(spec: dict):
         rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
         tokens = positions = [b["input_ids"].numel() for b in batches]
     else:
+        from delft.data import IGNORE
         from delft.models import resolve_model
 
         s, items, pad = cpu_items()
@@ -389,7 +390,7 @@ def peer_model(spec: dict):
             k = T - len(it.input_ids)
             rows.append({"input_ids": torch.tensor(it.input_ids + [pad] * k),
                          "attention_mask": torch.tensor([1] * len(it.input_ids) + [0] * k),
-                         "labels": torch.tensor(it.labels + [-100] * k)})
+                         "labels": torch.tensor(it.labels + [IGNORE] * k)})
         tokens = [sum(len(x.input_ids) for x in items[i * B:(i + 1) * B]) for i in range(n)]
         positions = [B * T] * n
     if config == "trl_sft":

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from delft.errors import UserError
+from delft.models import HUB_ID
 
-IGNORE = -100
+IGNORE = -100  # label of a position without a target (prompt, padding, packing boundaries): torch's ignore_index
+# Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
+EVAL_SEED_OFFSET = 1_000_003
 LOCAL_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -105,7 +108,7 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
             raise UserError(f"could not read {source}: {str(e).splitlines()[0]}", f"{where}.source",
                             "Check the file's format.") from None
         return [dict(r) for r in ds], path.name
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+    if re.fullmatch(HUB_ID, source):
         return _load_hub_rows(cfg, where), source
     raise UserError(f"data source {source!r} is neither a file nor a hub id", f"{where}.source",
                     "Give a .jsonl/.json/.csv/.parquet path, a hub id (org/name) or 'synthetic'.")
@@ -209,14 +212,10 @@ def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data")
 
 def load_examples(cfg, where: str = "data") -> list[Example]:
     if cfg.format == "synthetic":
-        examples = synthetic_examples(cfg.synthetic)
+        examples = synthetic_examples(cfg.synthetic)[: cfg.limit]
     else:
         rows, label = _load_rows(cfg, where)
-        if cfg.limit:
-            rows = rows[: cfg.limit]
-        examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows)]
-    if cfg.limit:
-        examples = examples[: cfg.limit]
+        examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]
     if not examples:
         raise UserError("the data source gave no examples", f"{where}.source", "Check the file and data.limit.")
     return examples

@@ -3,7 +3,7 @@
 A *place* is an int: r >= 1 for the r-th integer digit from the right (1 = units, 2 = tens, ...),
 -i for the i-th digit after the decimal point (-1 = tenths, -2 = hundredths, ...).
 
-Run rules (the DEL reference's, losses.md): consecutive characters in '0'..'9' and '.' form a run; the
+Run rules (the DEL reference's, docs/losses.md): consecutive characters in '0'..'9' and '.' form a run; the
 first '.' at index > 0 is the decimal point; a run that starts with '.' has no point (every entry counts as
 integer-like). Places count character positions, so in "1.2.3" the '3' is place -3. Dots are never scored.
 Unlike the reference, runs are found per sequence and an ignored label (-100) ends a run. Runs and places

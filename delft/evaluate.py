@@ -18,6 +18,7 @@ from rich.table import Table
 from delft import __version__
 from delft.answers import (Scored, canonical, extract_answer, paired_difference, parse_number, place_order, score,
                            summarize)
+from delft.data import EVAL_SEED_OFFSET
 from delft.digits import place_name
 from delft.errors import UserError
 from delft.rundir import write_atomic
@@ -100,7 +101,7 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     if (data_cfg.source == "synthetic" and cfg.data.source == "synthetic"
             and data_cfg.synthetic.seed == cfg.data.synthetic.seed):
         # An eval set equal to the training problems would measure memorisation.
-        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + 1_000_003})
+        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
     if not runs and recipe_path is not None:
         finished = _finished_run(Path(cfg.output.dir))
         if finished is not None:

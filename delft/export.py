@@ -343,7 +343,9 @@ def eval_headline(run_dir: Path) -> list[tuple[str, str]]:
 
 
 def _is_hub_id(name: str) -> bool:
-    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).expanduser().exists()
+    from delft.models import HUB_ID
+
+    return bool(re.fullmatch(HUB_ID, name)) and not Path(name).expanduser().exists()
 
 
 def model_card(r: ExportResult, info: dict, recipe, evals: list, run_dir: Path) -> str:

@@ -1,32 +1,32 @@
-"""Digit-aware losses: DEL, NTL (WAS/MSE) and DIST2, plus a memory-lean CE for the trainer.
+"""Digit-aware losses: DEL, NTL (WAS/MSE) and DIST2, plus a memory-lean CE, behind one training loss object.
 
-Formulas follow shared/docs/losses.md. Shapes: logits[:, t] scores labels[:, t] (the caller shifts, like
-ntloss); -100 labels are ignored. All digit terms are computed in fp32 (fp64 inputs stay fp64), from the
-ten digit logit columns only.
+Formulas follow docs/losses.md. Shapes: logits[:, t] scores labels[:, t] (the caller shifts, like ntloss);
+IGNORE (-100) labels are ignored. All digit terms are computed in fp32 (fp64 inputs stay fp64), from the ten
+digit logit columns only.
 
-Normalisation used by delft (the trainer): over one optimizer batch,
+``Loss`` is built once from the recipe (type, lambda, options, chunk size, CE path). Over one optimizer batch,
     loss = CE_sum / N_labels + lambda * term_sum / N_digits
-with N_labels / N_digits counted over the WHOLE optimizer batch (``count_items``) before the micro-batches
-run, so the gradient does not depend on how the batch is split. ``loss_sums`` gives the per-micro-batch sums.
+with N_labels / N_digits counted over the WHOLE optimizer batch (``Loss.count``) before the micro-batches run,
+so the gradient does not depend on how the batch is split. ``Loss.sums`` gives one micro-batch's sums and
+``Loss.combine`` turns sums and counts into that loss; nothing else writes the formula.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from delft.data import IGNORE
 from delft.digits import DigitVocab, place_weight
 from delft.errors import UserError
+from delft.loss_types import CE, CHUNKED_CE, FUSED_CE, LOSS_TYPES, LossType, fused_applies
 from delft.triton_cpu import interpreter_on, patch_interpreter
-
-IGNORE = -100
-TERM_TYPES = ("del", "ntl_was", "ntl_mse", "dist2")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,6 +86,22 @@ def _prep(z: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return z, y.to(device=z.device, dtype=torch.long)
 
 
+TermFn = Callable[..., Tensor]
+TERMS: dict[str, TermFn] = {}  # loss type name (delft.loss_types.LOSS_TYPES) -> per-position term
+
+
+def term_of(name: str):
+    """Register a per-position term function for the loss type ``name``."""
+    if name not in LOSS_TYPES or not LOSS_TYPES[name].has_term:
+        raise ValueError(f"{name!r} is not a digit-term type of delft.loss_types.LOSS_TYPES")
+
+    def register(fn: TermFn) -> TermFn:
+        TERMS[name] = fn
+        return fn
+    return register
+
+
+@term_of("del")
 def del_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """DEL: w * mean_k p_k * BCEWithLogits(z_k, 1[k == y]); p not detached (reference code)."""
     z, y = _prep(z, y)
@@ -95,6 +111,7 @@ def del_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
     return w.to(z) * (p * b).mean(dim=-1)
 
 
+@term_of("ntl_was")
 def ntl_was_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     """NTL-WAS: sum_k p_k |k - y| (w unused)."""
     z, y = _prep(z, y)
@@ -102,6 +119,7 @@ def ntl_was_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     return (torch.softmax(z, dim=-1) * (k - y.to(z.dtype)[:, None]).abs()).sum(dim=-1)
 
 
+@term_of("ntl_mse")
 def ntl_mse_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     """NTL-MSE: (sum_k p_k k - y)^2 (w unused)."""
     z, y = _prep(z, y)
@@ -109,56 +127,13 @@ def ntl_mse_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     return ((torch.softmax(z, dim=-1) * k).sum(dim=-1) - y.to(z.dtype)) ** 2
 
 
+@term_of("dist2")
 def dist2_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None, tau: float = 1.0) -> Tensor:
     """DIST2: KL(q || p), q_k proportional to exp(-(k - y)^2 / tau) (w unused)."""
     z, y = _prep(z, y)
     k = torch.arange(10, device=z.device, dtype=z.dtype)
     log_q = torch.log_softmax(-((k - y.to(z.dtype)[:, None]) ** 2) / tau, dim=-1)
     return (log_q.exp() * (log_q - torch.log_softmax(z, dim=-1))).sum(dim=-1)
-
-
-TermFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Which digit term (if any), its lambda, and the digit vocabulary it reads."""
-
-    type: str = "ce"
-    weight: float = 0.0
-    tau: float = 1.0
-    vocab: Optional[DigitVocab] = None
-
-    def __post_init__(self):
-        if self.type not in TERM_TYPES + ("ce",):
-            raise ValueError(f"unknown loss type {self.type!r}")
-        if self.type != "ce" and self.vocab is None:
-            raise ValueError(f"loss type {self.type!r} needs a DigitVocab")
-
-    @property
-    def has_term(self) -> bool:
-        return self.type != "ce"
-
-    @property
-    def term(self) -> TermFn:
-        """Per-position term function (z [N,10], y [N], w [N]) -> [N]."""
-        if self.type == "del":
-            return del_term
-        if self.type == "ntl_was":
-            return ntl_was_term
-        if self.type == "ntl_mse":
-            return ntl_mse_term
-        if self.type == "dist2":
-            return functools.partial(dist2_term, tau=self.tau)
-        raise ValueError("loss type 'ce' has no digit term")
-
-
-def make_term(loss_cfg, vocab: Optional[DigitVocab]) -> LossSpec:
-    """LossSpec from a recipe.LossConfig (vocab may be None only for type 'ce')."""
-    if loss_cfg.type != "ce" and vocab is None:
-        raise UserError(f"loss.type {loss_cfg.type!r} needs single-token digits, but no digit vocabulary was found",
-                        fix="Use a tokenizer with single-digit tokens or set loss.type: ce.")
-    return LossSpec(type=loss_cfg.type, weight=float(loss_cfg.weight or 0.0), tau=float(loss_cfg.tau), vocab=vocab)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,28 +197,17 @@ def liger_importable() -> bool:
 
 
 def resolve_fused(mode: str, device) -> bool:
-    """Whether to use Liger kernels (fused linear CE + layer kernels).
-
-    'auto': on CUDA when liger-kernel imports. 'on': insists; also allowed on the CPU under the Triton
-    interpreter (TRITON_INTERPRET=1), which is far too slow to train with but runs the very same kernels,
-    so the tests can check the fused path against the chunked one without a GPU. 'off': never.
-    """
-    if mode == "off":
-        return False
+    """Whether to use Liger kernels (fused linear CE + layer kernels) on ``device``: delft.loss_types.fused_applies
+    with what this machine has; train.fused_loss 'on' that cannot be honoured is a UserError."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
-    have_liger = liger_importable()
-    if cuda and have_liger:
-        return True
-    if mode == "on" and have_liger and interpreter_on():
-        patch_interpreter()
-        return True
-    if mode == "on":
-        why = ("liger-kernel is not installed (or Triton is missing)" if not have_liger else
-               "there is no CUDA device (and TRITON_INTERPRET=1 is not set)")
+    fused, why = fused_applies(mode, cuda, mode != "off" and liger_importable(), interpreter_on())
+    if why:
         raise UserError(f"train.fused_loss is 'on' but {why}",
                         fix="Set train.fused_loss: auto (falls back to chunked CE), or install liger-kernel "
                         "(pip install liger-kernel) on a CUDA machine.")
-    return False
+    if fused and not cuda:
+        patch_interpreter()
+    return fused
 
 
 def _liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor) -> Tensor:
@@ -256,31 +220,134 @@ def _liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
     return out.float()
 
 
-def loss_sums(hidden: Tensor, lm_head: nn.Module, labels: Tensor, spec: LossSpec, chunk_size: int = 1024,
-              fused: bool = False) -> dict:
-    """Per-micro-batch sums for the trainer: dict(ce_sum, term_sum, n_labels, n_digits).
+class Counts(NamedTuple):
+    """Positions with a label and positions with a digit label: the denominators of the loss."""
 
-    ``labels`` are aligned with ``hidden`` [B, T, H] (labels[:, t] is the target of hidden[:, t]). Only
-    labelled rows go through the output layer; the digit term uses the ten digit rows only. ``fused`` (from
-    ``resolve_fused``) selects Liger's fused CE when the head is a plain Linear.
+    labels: int
+    digits: int
+
+    def __add__(self, other: "Counts") -> "Counts":  # type: ignore[override]
+        return Counts(self.labels + other.labels, self.digits + other.digits)
+
+
+def _scalar(x) -> float:
+    return float(x.detach()) if isinstance(x, Tensor) else float(x)
+
+
+@dataclass
+class Sums:
+    """One micro-batch's (or several, added) CE and digit-term sums with its own counts.
+
+    ``ce`` / ``term`` are tensors in the autograd graph from ``Loss.sums``, floats after ``detach``.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} are not aligned")
-    keep = labels != IGNORE
-    h = hidden[keep]
-    t = labels[keep]
-    plain = _plain_linear(lm_head) if fused else None
-    if plain is not None and h.shape[0] > 0:
-        ce_sum = _liger_ce_sum(h, plain[0], plain[1], t)
-    else:
-        ce_sum = chunked_ce_sum(h, lm_head, t, chunk_size)
-    if not spec.has_term:
-        return dict(ce_sum=ce_sum, term_sum=hidden.new_zeros((), dtype=torch.float32), n_labels=int(t.numel()),
-                    n_digits=0)
-    dt = digit_targets(labels, spec.vocab)
-    z = digit_logits(hidden[dt.mask], lm_head, spec.vocab.digit_ids)
-    term_sum = spec.term(z, dt.targets, dt.weights).sum()  # empty sum = 0, still in the graph
-    return dict(ce_sum=ce_sum, term_sum=term_sum, n_labels=int(t.numel()), n_digits=int(dt.targets.numel()))
+
+    ce: Any
+    term: Any
+    counts: Counts
+
+    def __add__(self, other: "Sums") -> "Sums":
+        return Sums(self.ce + other.ce, self.term + other.term, self.counts + other.counts)
+
+    def detach(self) -> "Sums":
+        """Floats, out of the graph: for logging and for adding up over batches."""
+        return Sums(_scalar(self.ce), _scalar(self.term), self.counts)
+
+
+class Loss:
+    """CE + lambda x a digit term, built once (``from_recipe``): what the trainer, the bench and the tests use.
+
+    ``type`` names a delft.loss_types.LOSS_TYPES entry; ``params`` are its options (dist2: tau). ``fused``
+    selects Liger's fused linear CE (see ``resolve_fused``) where the output layer is a plain Linear and
+    gradients are being taken; otherwise the output layer runs in checkpointed chunks of ``chunk_size`` rows.
+    ``ran`` collects the CE paths that training micro-batches actually took.
+    """
+
+    def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab] = None, *,
+                 chunk_size: int = 1024, fused: bool = False, **params):
+        if type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss type {type!r}")
+        self.kind: LossType = LOSS_TYPES[type]
+        unknown = set(params) - set(self.kind.params)
+        if unknown:
+            raise ValueError(f"loss type {type!r} takes no {', '.join(sorted(unknown))}")
+        if self.kind.has_term and vocab is None:
+            raise ValueError(f"loss type {type!r} needs a DigitVocab")
+        self.type, self.weight, self.vocab, self.params = type, float(weight), vocab, params
+        self.chunk_size, self.fused = chunk_size, fused
+        self.ran: set[str] = set()
+
+    @classmethod
+    def from_config(cls, loss_cfg, vocab: Optional[DigitVocab], chunk_size: int = 1024, fused: bool = False):
+        """From a recipe.LossConfig; vocab may be None only for type 'ce'."""
+        kind = LOSS_TYPES[loss_cfg.type]
+        if kind.has_term and vocab is None:
+            raise UserError(f"loss.type {loss_cfg.type!r} needs single-token digits, but no digit vocabulary was "
+                            "found", fix="Use a tokenizer with single-digit tokens or set loss.type: ce.")
+        return cls(loss_cfg.type, loss_cfg.weight or 0.0, vocab, chunk_size=chunk_size, fused=fused,
+                   **{p: getattr(loss_cfg, p) for p in kind.params})
+
+    @classmethod
+    def from_recipe(cls, recipe, vocab: Optional[DigitVocab], device) -> "Loss":
+        """The recipe's loss on ``device`` (raises UserError for train.fused_loss 'on' where Liger cannot run)."""
+        return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
+                               resolve_fused(recipe.train.fused_loss, device))
+
+    @property
+    def has_term(self) -> bool:
+        return self.kind.has_term
+
+    @property
+    def term(self) -> TermFn:
+        """Per-position term function (z [N,10], y [N], w [N]) -> [N], with this loss's options bound."""
+        if not self.has_term:
+            raise ValueError("loss type 'ce' has no digit term")
+        return functools.partial(TERMS[self.type], **self.params)
+
+    @property
+    def path_ran(self) -> Optional[str]:
+        """The CE path training took ('chunked_ce', 'fused_linear_ce'; both joined by '+'), None before any."""
+        return "+".join(sorted(self.ran)) or None
+
+    def count(self, labels: Tensor) -> Counts:
+        """Counts of ``labels`` (aligned with the hidden states): sum them over the optimizer batch."""
+        return Counts(*count_items(labels, self.vocab))
+
+    def sums(self, hidden: Tensor, lm_head: nn.Module, labels: Tensor) -> Sums:
+        """One micro-batch's CE and digit-term sums; ``labels`` aligned with ``hidden`` [B, T, H].
+
+        Only labelled rows go through the output layer; the digit term uses the ten digit rows only. Without
+        gradients (validation) the chunked path runs: Liger computes its gradient inside the forward pass.
+        """
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} are not aligned")
+        keep = labels != IGNORE
+        h, t = hidden[keep], labels[keep]
+        training = torch.is_grad_enabled()
+        plain = _plain_linear(lm_head) if self.fused and training and h.shape[0] > 0 else None
+        if plain is not None:
+            ce_sum, path = _liger_ce_sum(h, plain[0], plain[1], t), FUSED_CE
+        else:
+            ce_sum, path = chunked_ce_sum(h, lm_head, t, self.chunk_size), CHUNKED_CE
+        if training and h.shape[0] > 0:
+            self.ran.add(path)
+        if not self.has_term:
+            return Sums(ce_sum, hidden.new_zeros((), dtype=torch.float32), Counts(int(t.numel()), 0))
+        dt = digit_targets(labels, self.vocab)
+        z = digit_logits(hidden[dt.mask], lm_head, self.vocab.digit_ids)
+        term_sum = self.term(z, dt.targets, dt.weights).sum()  # empty sum = 0, still in the graph
+        return Sums(ce_sum, term_sum, Counts(int(t.numel()), int(dt.targets.numel())))
+
+    def means(self, sums: Sums, counts: Counts) -> dict:
+        """{"ce", "term", "loss"} of an optimizer batch whose counts are ``counts``: CE per label, term per digit
+        label, loss = ce + lambda * term. Tensors in the graph from ``sums``' tensors, floats from detached ones."""
+        ce = sums.ce / max(1, counts.labels)
+        term = sums.term / counts.digits if counts.digits else sums.term * 0
+        loss = ce + self.weight * term if self.weight > 0 and counts.digits else ce
+        return {"ce": ce, "term": term, "loss": loss}
+
+    def combine(self, sums: Sums, counts: Counts):
+        """The loss to back-propagate for one micro-batch's ``sums`` in an optimizer batch with ``counts``."""
+        return self.means(sums, counts)["loss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,40 +366,43 @@ def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: DigitVocab) -> Te
     return logits[mask].to(_compute_dtype(logits.dtype))
 
 
-def term_mean(logits: Tensor, labels: Tensor, spec: LossSpec) -> Tensor:
-    """Mean of the spec's digit term over digit-label positions; 0 (in the graph) when there are none."""
-    dt = digit_targets(labels, spec.vocab)
-    z = _gather_digit_columns(logits, dt.mask, spec.vocab)
-    return spec.term(z, dt.targets, dt.weights).sum() / max(int(dt.targets.numel()), 1)
+def _term_sum(logits: Tensor, labels: Tensor, loss: Loss) -> tuple[Tensor, int]:
+    dt = digit_targets(labels, loss.vocab)
+    z = _gather_digit_columns(logits, dt.mask, loss.vocab)
+    return loss.term(z, dt.targets, dt.weights).sum(), int(dt.targets.numel())
 
 
-def full_logits_loss(logits: Tensor, labels: Tensor, spec: LossSpec) -> dict:
-    """Reference path from full logits [B, T, V]: dict(loss, ce, term) with ce/term means over their items."""
+def term_mean(logits: Tensor, labels: Tensor, loss: Loss) -> Tensor:
+    """Mean of the loss's digit term over digit-label positions; 0 (in the graph) when there are none."""
+    total, n = _term_sum(logits, labels, loss)
+    return total / max(n, 1)
+
+
+def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
+    """Reference path from full logits [B, T, V] of a whole batch: ``loss.means`` (loss, ce, term) as tensors."""
     flat = logits.reshape(-1, logits.shape[-1])
-    n = int((labels != IGNORE).sum())
-    ce = F.cross_entropy(flat.to(_compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
-                         reduction="sum") / max(n, 1)
-    if not spec.has_term:
-        return dict(loss=ce, ce=ce, term=torch.zeros_like(ce))
-    term = term_mean(logits, labels, spec)
-    return dict(loss=ce + spec.weight * term, ce=ce, term=term)
+    ce_sum = F.cross_entropy(flat.to(_compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
+                             reduction="sum")
+    counts = loss.count(labels)
+    term_sum = _term_sum(logits, labels, loss)[0] if loss.has_term else torch.zeros_like(ce_sum)
+    return loss.means(Sums(ce_sum, term_sum, counts), counts)
 
 
 class _DigitLoss(nn.Module):
     """Base: find digit labels, gather ten logit columns, average a per-position term. No lambda applied."""
 
-    def __init__(self, tokenizer, vocab: Optional[DigitVocab], loss_type: str, tau: float = 1.0):
+    def __init__(self, tokenizer, vocab: Optional[DigitVocab], loss_type: str, **params):
         super().__init__()
         if vocab is None:
             if tokenizer is None:
                 raise ValueError("pass a tokenizer or vocab=DigitVocab(...)")
             vocab = DigitVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
         self.vocab = vocab
-        self.spec = LossSpec(type=loss_type, weight=1.0, tau=tau, vocab=vocab)
+        self.loss = Loss(loss_type, 1.0, vocab, **params)
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
         """logits [B, T, V] (or [B, T, 10] digit columns) aligned with labels [B, T] -> scalar fp32 term."""
-        return term_mean(logits, labels, self.spec)
+        return term_mean(logits, labels, self.loss)
 
 
 class DigitEntropyLoss(_DigitLoss):
@@ -355,4 +425,4 @@ class Dist2Loss(_DigitLoss):
     """DIST2 term (without alpha): KL(q || p) with q_k proportional to exp(-(k - y)^2 / tau)."""
 
     def __init__(self, tokenizer=None, tau: float = 1.0, *, vocab: Optional[DigitVocab] = None):
-        super().__init__(tokenizer, vocab, "dist2", tau)
+        super().__init__(tokenizer, vocab, "dist2", tau=tau)

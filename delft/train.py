@@ -42,7 +42,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     """(run dir, checkpoint to resume or None, replace the existing dir?): a fresh run or a resume.
 
     Never overwrites a user's run without --force, and even then only later, once the model and data have
-    loaded (``replace_run_dir``): a recipe mistake found while setting up must not cost the old run.
+    loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
     """
     run_dir = Path(recipe.output.dir)
     check_replaceable(run_dir)
@@ -89,31 +89,28 @@ def check_replaceable(run_dir: Path) -> None:
                         "Choose another output.dir; delft does not replace files.")
 
 
-def replace_run_dir(run_dir: Path, console: Console) -> None:
-    console.print(f"[yellow]--force: replacing {run_dir}[/]")
-    shutil.rmtree(run_dir)
-
-
 # ----------------------------------------------------------------------------- schedule of batches
 
 
 @dataclass
-class Plan:
+class Schedule:
+    """How the training set becomes optimizer steps: micro-batches per epoch, steps, warmup steps."""
+
     micro_per_epoch: int
     total_steps: int
     warmup_steps: int
 
 
-def make_plan(recipe: Recipe, n_train: int) -> Plan:
+def make_schedule(recipe: Recipe, n_train: int) -> Schedule:
     t = recipe.train
     micro = math.ceil(n_train / t.batch_size)
     total = t.max_steps or max(1, math.ceil(t.epochs * micro / t.grad_accum))
-    return Plan(micro, total, int(round(t.warmup_ratio * total)))
+    return Schedule(micro, total, int(round(t.warmup_ratio * total)))
 
 
-def micro_batch_items(train, recipe: Recipe, plan: Plan, index: int):
+def micro_batch_items(train, recipe: Recipe, schedule: Schedule, index: int):
     """The index-th micro-batch of the endless, per-epoch shuffled stream (deterministic for resume)."""
-    epoch, k = divmod(index, plan.micro_per_epoch)
+    epoch, k = divmod(index, schedule.micro_per_epoch)
     order = list(range(len(train)))
     random.Random(recipe.train.seed * 7919 + epoch).shuffle(order)
     bs = recipe.train.batch_size
@@ -123,61 +120,52 @@ def micro_batch_items(train, recipe: Recipe, plan: Plan, index: int):
 # ----------------------------------------------------------------------------- one optimizer step
 
 
-def forward_sums(model, batch: dict, spec, chunk_size: int, fused: bool = False) -> dict:
-    """Hidden states from the decoder, then CE and the digit term as sums (see delft.losses)."""
-    from delft.losses import loss_sums
+def targets(batch: dict):
+    """The labels aligned with the decoder's hidden states: position t predicts token t + 1."""
+    return batch["labels"][:, 1:]
+
+
+def forward_sums(model, batch: dict, loss):
+    """Hidden states from the decoder, then ``loss.sums`` (CE and digit-term sums, see delft.losses)."""
     from delft.models import decoder_and_head
 
     decoder, head = decoder_and_head(model)
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
     hidden = decoder(input_ids=batch["input_ids"], use_cache=False, **kwargs).last_hidden_state
-    return loss_sums(hidden[:, :-1], head, batch["labels"][:, 1:], spec, chunk_size, fused)
+    return loss.sums(hidden[:, :-1], head, targets(batch))
 
 
-def optimizer_step(model, batches: list[dict], spec, recipe: Recipe, device: str, fused: bool = False) -> dict:
-    """Backward over the micro-batches with global normalisation; returns the step's mean CE and term."""
-    from delft.losses import count_items
+def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
+    """Backward over the micro-batches, normalised by the whole optimizer batch's counts; returns the step's
+    loss, CE and term (``Loss.means``), its real tokens and digit labels."""
+    from delft.losses import Counts, Sums
 
-    counts = [count_items(b["labels"][:, 1:], spec.vocab) for b in batches]
-    n_labels = max(1, sum(c[0] for c in counts))
-    n_digits = sum(c[1] for c in counts)
-    ce_total = term_total = 0.0
+    counts = sum((loss.count(targets(b)) for b in batches), Counts(0, 0))
+    total = Sums(0.0, 0.0, Counts(0, 0))
     for b in batches:
-        b = {k: v.to(device) for k, v in b.items()}
-        sums = forward_sums(model, b, spec, recipe.train.loss_chunk_size, fused)
-        loss = sums["ce_sum"] / n_labels
-        if spec.weight > 0 and n_digits > 0:
-            loss = loss + spec.weight * sums["term_sum"] / n_digits
-        loss.backward()
-        ce_total += float(sums["ce_sum"].detach())
-        term_total += float(sums["term_sum"].detach())
-    return {"ce": ce_total / n_labels, "term": term_total / n_digits if n_digits else 0.0,
-            "tokens": sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                          for b in batches), "n_digits": n_digits}
+        sums = forward_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
+        loss.combine(sums, counts).backward()
+        total = total + sums.detach()
+    tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
+    return {**loss.means(total, counts), "tokens": tokens, "n_digits": counts.digits}
 
 
-def evaluate_loss(model, val, recipe: Recipe, spec, pad_id: int, device: str) -> dict:
+def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -> dict:
+    """Validation loss, CE and term, each normalised over the whole validation set."""
     import torch
 
     from delft.data import collate
-    from delft.losses import count_items
+    from delft.losses import Counts, Sums
 
     model.eval()
-    ce = term = 0.0
-    n_labels = n_digits = 0
+    total = Sums(0.0, 0.0, Counts(0, 0))
     with torch.no_grad():
-        for i in range(0, len(val), recipe.train.batch_size):
-            b = {k: v.to(device) for k, v in collate(val[i:i + recipe.train.batch_size], pad_id).items()}
-            sums = forward_sums(model, b, spec, recipe.train.loss_chunk_size)
-            nl, nd = count_items(b["labels"][:, 1:], spec.vocab)
-            ce += float(sums["ce_sum"])
-            term += float(sums["term_sum"])
-            n_labels += nl
-            n_digits += nd
+        for i in range(0, len(val), batch_size):
+            b = {k: v.to(device) for k, v in collate(val[i:i + batch_size], pad_id).items()}
+            total = total + forward_sums(model, b, loss).detach()
     model.train()
-    ce /= max(1, n_labels)
-    term = term / n_digits if n_digits else 0.0
-    return {"val_ce": ce, "val_term": term, "val_loss": ce + spec.weight * term}
+    m = loss.means(total, total.counts)
+    return {"val_ce": m["ce"], "val_term": m["term"], "val_loss": m["loss"]}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -280,23 +268,23 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
 
 @dataclass
 class Setup:
-    """Everything a run needs, built from the recipe (tokenizer and data before any weights load)."""
+    """Everything a run needs, built from the recipe (tokenizer, data and loss before any weights load)."""
 
     recipe: Recipe
     device: str
     quantization: str
     tokenizer: object
-    spec: object
+    loss: object  # delft.losses.Loss
     train: list
     val: list
     stats: object
     model_ref: object
 
 
-def setup(recipe: Recipe, console: Console) -> Setup:
+def setup(recipe: Recipe) -> Setup:
     from delft.data import build_datasets
     from delft.digits import DigitVocab
-    from delft.losses import make_term
+    from delft.losses import Loss
     from delft.models import load_tokenizer, resolve_device, resolve_model, resolve_quantization
 
     device = resolve_device(recipe.model.device)
@@ -310,29 +298,29 @@ def setup(recipe: Recipe, console: Console) -> Setup:
             vocab = DigitVocab.from_tokenizer(tokenizer)
         except UserError:
             vocab = None  # CE needs no digit tokens; counts are just not reported
-    spec = make_term(recipe.loss, vocab)
+    loss = Loss.from_recipe(recipe, vocab, device)
     train, val, stats = build_datasets(recipe.data, tokenizer, recipe.train.seed,
                                        set(vocab.digit_ids) if vocab else None)
-    return Setup(recipe, device, quant, tokenizer, spec, train, val, stats, ref)
+    return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)
 
 
 def build_model(s: Setup, console: Console):
-    """(model with LoRA, dtype, Liger kernels in use: [] or ["fused_linear_ce", "rms_norm", ...])."""
-    from delft.losses import resolve_fused
+    """(model with LoRA, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu", "rope"])."""
+    import torch
+
+    from delft.loss_types import FUSED_CE
     from delft.models import apply_liger_layers, apply_lora, load_model, resolve_dtype
 
     r = s.recipe
     dtype = resolve_dtype(r.model.dtype, s.device)
-    import torch
-
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
     model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
                        r.model.revision, r.model.trust_remote_code)
-    kernels = ["fused_linear_ce"] + apply_liger_layers(model) if resolve_fused(r.train.fused_loss, s.device) else []
-    if kernels:
-        console.print(f"[bold]kernels[/] Liger {', '.join(kernels)}")
+    kernels = apply_liger_layers(model) if s.loss.fused else []
+    if s.loss.fused:
+        console.print(f"[bold]kernels[/] Liger {', '.join([FUSED_CE] + kernels)}")
     model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
-    model.train()  # HF skips gradient checkpointing in eval mode (gpu.md: 25 GiB instead of 8.6)
+    model.train()  # HF skips gradient checkpointing in eval mode (docs/gpu.md: 25 GiB instead of 8.6)
     return model, dtype, kernels
 
 
@@ -356,124 +344,173 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
     console.print(f"[bold]loss[/] CE + {term} (each a mean over the optimizer batch)")
 
 
+class Trainer:
+    """One run's optimizer, schedule and run directory, and the loop that steps, logs, validates and saves."""
+
+    def __init__(self, s: Setup, model, run_dir: Path, console: Console):
+        import torch
+        from transformers import get_scheduler
+
+        t = s.recipe.train
+        self.s, self.model, self.run_dir, self.console = s, model, run_dir, console
+        self.recipe, self.loss = s.recipe, s.loss
+        self.schedule = make_schedule(s.recipe, len(s.train))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.schedule.warmup_steps,
+                                       num_training_steps=self.schedule.total_steps)
+        self.metrics_path = run_dir / rundir.METRICS
+        self.term_name = s.recipe.loss.type.upper() if s.recipe.loss.type != "ce" else "digit"
+        self.step = 0
+
+    # -- run directory
+
+    def open_run_dir(self, ckpt: Optional[Path], replace: bool, kernels: list[str]) -> None:
+        """Replace (--force) or resume the run directory, only now that model and data have loaded."""
+        from delft.rundir import architecture
+
+        if replace:
+            self.console.print(f"[yellow]--force: replacing {self.run_dir}[/]")
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is not None:
+            self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+            _truncate_metrics(self.metrics_path, self.step)
+            earlier = rundir.read_info(self.run_dir).get("loss_path")  # a resumed run may change paths
+            self.loss.ran.update(earlier.split("+") if earlier else ())
+        write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
+        s = self.s
+        rundir.write_info(self.run_dir, {
+            "status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
+            "architecture": architecture(self.model.get_base_model().config), "quantization": s.quantization,
+            "loss": self.recipe.loss.type, "loss_weight": self.recipe.loss.weight, "loss_path": self.loss.path_ran,
+            "step": self.step, "total_steps": self.schedule.total_steps, "liger_kernels": kernels,
+            "data": asdict(s.stats)})
+
+    def save(self, status: Optional[str] = None) -> Path:
+        t = self.recipe.train
+        path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints)
+        rundir.update_info(self.run_dir, step=self.step, loss_path=self.loss.path_ran,
+                           **({"status": status} if status else {}))
+        return path
+
+    # -- steps
+
+    def batch(self, index: int) -> dict:
+        from delft.data import collate, collate_packed
+
+        items = micro_batch_items(self.s.train, self.recipe, self.schedule, index)
+        pad_id = self.s.tokenizer.pad_token_id
+        if self.recipe.data.packing:
+            return collate_packed(items, pad_id, self.recipe.data.max_length)
+        return collate(items, pad_id)
+
+    def train_step(self) -> tuple[dict, float]:
+        """One optimizer step: (Loss.means of it, gradient norm before clipping)."""
+        import torch
+
+        t = self.recipe.train
+        batches = [self.batch(self.step * t.grad_accum + j) for j in range(t.grad_accum)]
+        out = optimizer_step(self.model, batches, self.loss, self.s.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if not math.isfinite(out["loss"]):
+            raise UserError(f"the loss became {out['loss']} at step {self.step}", "train.learning_rate",
+                            "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
+        return out, float(grad_norm)
+
+    def _append_metrics(self, row: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def log(self, out: dict, grad_norm: float, tokens_per_s: float, stats: str) -> None:
+        row = {"step": self.step, "loss": out["loss"], "ce": out["ce"], "term": out["term"],
+               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+               "peak_mem_gb": peak_memory_gb(self.s.device)}
+        self._append_metrics(row)
+        self.console.print(f"step {self.step:>5}/{self.schedule.total_steps}  {stats}  lr {row['lr']:.2e}  "
+                           f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
+
+    def validate(self) -> None:
+        ev = evaluate_loss(self.model, self.s.val, self.loss, self.recipe.train.batch_size,
+                           self.s.tokenizer.pad_token_id, self.s.device)
+        self._append_metrics({"step": self.step, **ev})
+        self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
+                           f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
+
+    # -- the loop
+
+    def train(self, resume_command: str) -> None:
+        """Step to the end with a live display; Ctrl-C saves a checkpoint and exits 130."""
+        import torch
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        t, total = self.recipe.train, self.schedule.total_steps
+        self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
+                           f"({self.schedule.micro_per_epoch} micro-batches per epoch), run directory {self.run_dir}")
+        if self.s.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.model.train()
+        window_tokens, window_start = 0, time.perf_counter()
+        with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                      console=self.console, transient=True) as progress:
+            task = progress.add_task("train", total=total, completed=self.step, stats="")
+            try:
+                while self.step < total:
+                    out, grad_norm = self.train_step()
+                    window_tokens += out["tokens"]
+                    rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                    stats = f"loss {out['loss']:.4f}  ce {out['ce']:.4f}  {self.term_name} {out['term']:.4f}"
+                    progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
+                                                                     f"peak {peak_memory_gb(self.s.device):.2f} GB")
+                    last = self.step == total
+                    if self.step % t.logging_steps == 0 or last:
+                        self.log(out, grad_norm, rate, stats)
+                        window_tokens, window_start = 0, time.perf_counter()
+                    if self.s.val and (self.step % t.eval_steps == 0 or last):
+                        self.validate()
+                    if self.step % t.save_steps == 0 and not last:
+                        self.save()
+            except KeyboardInterrupt:
+                progress.stop()
+                path = self.save(rundir.INTERRUPTED)
+                self.console.print(f"\n[yellow]Interrupted.[/] Saved {path} (step {self.step}/{total}). "
+                                   f"Resume with: {resume_command}")
+                raise SystemExit(130)
+
+    def finish(self) -> None:
+        """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
+        run_dir = self.run_dir
+        tmp = run_dir / ".final-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.s.tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            os.replace(f, run_dir / f.name)
+        tmp.rmdir()
+        if self.metrics_path.is_file():
+            plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
+        rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran)
+        shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
+        self.console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
+
+
 def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
                  console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
-    import torch
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from transformers import get_scheduler
-
-    from delft.data import collate, collate_packed
-    from delft.rundir import architecture
-
+    """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
+    or, with ``force``, a replaced earlier run. Returns the run directory."""
     console = console or Console()
     run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console)
     random.seed(recipe.train.seed)
-    s = setup(recipe, console)
+    s = setup(recipe)
     model, dtype, kernels = build_model(s, console)
-    fused = bool(kernels)
     describe(s, model, dtype, console)
-
-    t = recipe.train
-    plan = make_plan(recipe, len(s.train))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=plan.warmup_steps,
-                              num_training_steps=plan.total_steps)
-    if replace:
-        replace_run_dir(run_dir, console)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / rundir.METRICS
-    start = 0
-    if ckpt is not None:
-        start = load_checkpoint(ckpt, model, optimizer, scheduler)
-        _truncate_metrics(metrics_path, start)
-    write_atomic(run_dir / rundir.RECIPE, dump_recipe(recipe))
-    info = {"status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
-            "architecture": architecture(model.get_base_model().config), "quantization": s.quantization,
-            "loss": recipe.loss.type, "loss_weight": recipe.loss.weight, "step": start,
-            "total_steps": plan.total_steps, "liger_kernels": kernels, "data": asdict(s.stats)}
-    rundir.write_info(run_dir, info)
-    pad_id = s.tokenizer.pad_token_id
-
-    def batch(index):
-        items = micro_batch_items(s.train, recipe, plan, index)
-        if recipe.data.packing:
-            return collate_packed(items, pad_id, recipe.data.max_length)
-        return collate(items, pad_id)
-
-    term_name = recipe.loss.type.upper() if recipe.loss.type != "ce" else "digit"
-    console.print(f"[bold]training[/] {plan.total_steps} steps x {t.grad_accum} micro-batches of {t.batch_size} "
-                  f"({plan.micro_per_epoch} micro-batches per epoch), run directory {run_dir}")
-    if s.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    model.train()
-    step = start
-    window_tokens, window_start = 0, time.perf_counter()
-    with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[stats]}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("train", total=plan.total_steps, completed=start, stats="")
-        try:
-            while step < plan.total_steps:
-                batches = [batch(step * t.grad_accum + j) for j in range(t.grad_accum)]
-                out = optimizer_step(model, batches, s.spec, recipe, s.device, fused)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                window_tokens += out["tokens"]
-                loss = out["ce"] + s.spec.weight * out["term"]
-                if not math.isfinite(loss):
-                    raise UserError(f"the loss became {loss} at step {step}", "train.learning_rate",
-                                    "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
-                stats = f"loss {loss:.4f}  ce {out['ce']:.4f}  {term_name} {out['term']:.4f}"
-                rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-                progress.update(task, completed=step,
-                                stats=f"{stats}  {rate:,.0f} tok/s  peak {peak_memory_gb(s.device):.2f} GB")
-                if step % t.logging_steps == 0 or step == plan.total_steps:
-                    elapsed = time.perf_counter() - window_start
-                    row = {"step": step, "loss": loss, "ce": out["ce"], "term": out["term"],
-                           "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                           "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                           "peak_mem_gb": peak_memory_gb(s.device)}
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    console.print(f"step {step:>5}/{plan.total_steps}  {stats}  lr {row['lr']:.2e}  "
-                                  f"{row['tokens_per_s']:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB",
-                                  highlight=False)
-                    window_tokens, window_start = 0, time.perf_counter()
-                if s.val and (step % t.eval_steps == 0 or step == plan.total_steps):
-                    ev = evaluate_loss(model, s.val, recipe, s.spec, pad_id, s.device)
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps({"step": step, **ev}) + "\n")
-                    console.print(f"step {step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
-                                  f"{term_name} {ev['val_term']:.4f}", highlight=False)
-                if step % t.save_steps == 0 and step < plan.total_steps:
-                    save_checkpoint(run_dir, model, optimizer, scheduler, step, t.keep_checkpoints)
-                    rundir.update_info(run_dir, step=step)
-        except KeyboardInterrupt:
-            progress.stop()
-            path = save_checkpoint(run_dir, model, optimizer, scheduler, step, t.keep_checkpoints)
-            rundir.update_info(run_dir, step=step, status=rundir.INTERRUPTED)
-            console.print(f"\n[yellow]Interrupted.[/] Saved {path} (step {step}/{plan.total_steps}). "
-                          f"Resume with: {resume_command}")
-            raise SystemExit(130)
-
-    finish(run_dir, model, s.tokenizer, step, recipe, console, metrics_path)
+    trainer = Trainer(s, model, run_dir, console)
+    trainer.open_run_dir(ckpt, replace, kernels)
+    trainer.train(resume_command)
+    trainer.finish()
     return run_dir
-
-
-def finish(run_dir: Path, model, tokenizer, step: int, recipe: Recipe, console: Console, metrics_path: Path):
-    """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
-    tmp = run_dir / ".final-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        os.replace(f, run_dir / f.name)
-    tmp.rmdir()
-    if metrics_path.is_file():
-        plot_losses(metrics_path, run_dir / rundir.LOSS_CURVE, recipe.loss.type)
-    rundir.update_info(run_dir, step=step, status=rundir.COMPLETED)
-    shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
-    console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")

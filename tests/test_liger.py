@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from delft.digits import DigitVocab
-from delft.losses import LossSpec, loss_sums, resolve_fused
+from delft.losses import Loss, resolve_fused
 from delft.recipe import load_recipe
 from delft.train import run_training
 from helpers import adapter_weights, recipe_file
@@ -30,7 +30,7 @@ def restore_rope(monkeypatch):
 
 
 def build_arch(tok, arch: str):
-    """The tiny test model as Llama, or as Qwen2 (q/k/v biases), the architecture of gpu.md's peers."""
+    """The tiny test model as Llama, or as Qwen2 (q/k/v biases), the architecture of docs/gpu.md's peers."""
     if arch == "llama":
         return build_model(tok, hidden=32, layers=2)
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -57,19 +57,20 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
     labels = torch.randint(0, V, (3, 11))
     labels[0, :4] = -100
     labels[2, 5:] = torch.tensor(tok.convert_tokens_to_ids(list("12.507")))
-    spec = LossSpec("del", 0.3, 1.0, vocab)
 
     def run(fused):
         hidden.grad, head.weight.grad = None, None
-        out = loss_sums(hidden, head, labels, spec, chunk_size=5, fused=fused)
-        (out["ce_sum"] / out["n_labels"] + spec.weight * out["term_sum"] / out["n_digits"]).backward()
+        loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)
+        out = loss.sums(hidden, head, labels)
+        loss.combine(out, out.counts).backward()
+        assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
         return out, hidden.grad.clone(), head.weight.grad.clone()
 
     ref, ref_h, ref_w = run(False)
     out, g_h, g_w = run(True)
-    assert ref["n_digits"] >= 6 and out["n_labels"] == ref["n_labels"] == 29
-    torch.testing.assert_close(out["ce_sum"], ref["ce_sum"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["term_sum"], ref["term_sum"])
+    assert ref.counts.digits >= 6 and out.counts.labels == ref.counts.labels == 29
+    torch.testing.assert_close(out.ce, ref.ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.term, ref.term)
     torch.testing.assert_close(g_h, ref_h, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(g_w, ref_w, rtol=1e-4, atol=1e-6)
 
@@ -77,13 +78,12 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arch):
-    from delft.losses import make_term
     from delft.models import apply_liger_layers, apply_lora
     from delft.recipe import LoraConfig, LossConfig
-    from delft.train import forward_sums
+    from delft.train import forward_sums, targets
 
     tok = build_tokenizer()
-    spec = make_term(LossConfig(type="del"), DigitVocab.from_tokenizer(tok))
+    vocab = DigitVocab.from_tokenizer(tok)
     ids = torch.tensor([tok.encode("12+7=19 and 305"), tok.encode("x=3.25 ok! 4000")])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
              "position_ids": torch.tensor([list(range(6)) + list(range(9)), list(range(15))])}  # one packed row
@@ -94,8 +94,8 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arc
         torch.manual_seed(1)
         model = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0), gradient_checkpointing=True)
         model.train()
-        out = forward_sums(model, batch, spec, chunk_size=8, fused=liger)
-        loss = out["ce_sum"] / out["n_labels"] + spec.weight * out["term_sum"] / out["n_digits"]
+        loss_fn = Loss.from_config(LossConfig(type="del"), vocab, chunk_size=8, fused=liger)
+        loss = loss_fn.combine(forward_sums(model, batch, loss_fn), loss_fn.count(targets(batch)))
         loss.backward()
         return applied, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
@@ -123,8 +123,10 @@ def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model
     curves = {m: [json.loads(ln)["loss"] for ln in (r / "metrics.jsonl").read_text().splitlines()
                   if '"loss"' in ln] for m, r in runs.items()}
     assert len(curves["on"]) == 3
-    kernels = {m: json.loads((r / "delft_run.json").read_text())["liger_kernels"] for m, r in runs.items()}
-    assert kernels == {"off": [], "on": ["fused_linear_ce", "rms_norm", "swiglu", "rope"]}
+    infos = {m: json.loads((r / "delft_run.json").read_text()) for m, r in runs.items()}
+    assert {m: i["liger_kernels"] for m, i in infos.items()} == {"off": [], "on": ["rms_norm", "swiglu", "rope"]}
+    # the CE path each run actually took, not the one it asked for
+    assert {m: i["loss_path"] for m, i in infos.items()} == {"off": "chunked_ce", "on": "fused_linear_ce"}
     assert curves["on"] == pytest.approx(curves["off"], rel=1e-4)
     a, b = adapter_weights(runs["on"]), adapter_weights(runs["off"])
     for k in b:

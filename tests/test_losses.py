@@ -13,14 +13,12 @@ from delft.errors import UserError
 from delft.losses import (
     DigitEntropyLoss,
     Dist2Loss,
-    LossSpec,
+    Loss,
     NumberTokenLoss,
     count_items,
     del_term,
     digit_targets,
     full_logits_loss,
-    loss_sums,
-    make_term,
     resolve_fused,
 )
 from delft.recipe import LossConfig
@@ -120,7 +118,7 @@ def test_ntl_and_dist2_one_position_by_hand(tok, vocab):
     assert NumberTokenLoss(tok, "was")(z, labels).item() == pytest.approx(was, rel=1e-6)
     assert NumberTokenLoss(tok, "mse")(z, labels).item() == pytest.approx(mse, rel=1e-6)
     assert Dist2Loss(tok, tau=tau)(z, labels).item() == pytest.approx(kl, rel=1e-5)
-    # tau = 1, y = 5: the target is ~0.56 on 5 and ~0.21 on 4 and 6 (losses.md); predicting it exactly costs 0
+    # tau = 1, y = 5: the target is ~0.56 on 5 and ~0.21 on 4 and 6 (docs/losses.md); predicting it exactly costs 0
     q1 = torch.tensor([math.exp(-((k - 5) ** 2)) for k in range(10)])
     q1 = q1 / q1.sum()
     assert q1[5].item() == pytest.approx(0.56, abs=0.01) and q1[4].item() == pytest.approx(0.21, abs=0.01)
@@ -202,16 +200,16 @@ def test_chunked_equals_full(tok, vocab, kind, head):
     module = Wrapped(lm_head) if head == "wrapped" else lm_head
     labels = labels_of(tok, "a 12.5 = 7x", "no digits!!", "-308 or 44.")
     labels[1, :3] = -100
-    spec = LossSpec(kind, 0.7, 0.5, vocab if kind != "ce" else None)
+    loss = Loss(kind, 0.7, vocab if kind != "ce" else None, chunk_size=4, **({"tau": 0.5} if kind == "dist2" else {}))
     hidden = torch.randn(*labels.shape, H, requires_grad=True)
 
-    full = full_logits_loss(module(hidden), labels, spec)["loss"]
+    full = full_logits_loss(module(hidden), labels, loss)["loss"]
     g_full = torch.autograd.grad(full, [hidden, lm_head.weight])
 
-    n_lab, n_dig = count_items(labels, spec.vocab)
-    s = loss_sums(hidden, module, labels, spec, chunk_size=4)
-    assert (s["n_labels"], s["n_digits"]) == (n_lab, n_dig) and s["n_labels"] > 4
-    chunked = s["ce_sum"] / n_lab + spec.weight * s["term_sum"] / max(n_dig, 1)
+    counts = loss.count(labels)
+    s = loss.sums(hidden, module, labels)
+    assert s.counts == counts == count_items(labels, loss.vocab) and s.counts.labels > 4
+    chunked = loss.combine(s, counts)
     g_chunk = torch.autograd.grad(chunked, [hidden, lm_head.weight])
 
     assert chunked.item() == pytest.approx(full.item(), rel=1e-5)
@@ -232,18 +230,17 @@ def test_gradient_independent_of_micro_batching(tok, vocab):
         input_ids[i, :len(r)] = torch.tensor(r)
         labels[i, 2:len(r)] = torch.tensor(r[2:])   # prompt "Q:" not trained
     model = build_model(tok, hidden=32, layers=2)
-    spec = LossSpec("del", 1.0, 1.0, vocab)
+    loss = Loss("del", 1.0, vocab, chunk_size=7)
     shifted = labels[:, 1:]
-    n_lab, n_dig = count_items(shifted, vocab)
-    digits_per_row = [count_items(shifted[i:i + 1], vocab)[1] for i in range(8)]
-    assert len(set(digits_per_row)) > 3 and n_dig > 0
+    counts = loss.count(shifted)
+    digits_per_row = [loss.count(shifted[i:i + 1]).digits for i in range(8)]
+    assert len(set(digits_per_row)) > 3 and counts.digits > 0
 
     def grads(micro: int):
         model.zero_grad()
         for s in range(0, 8, micro):
             hidden = model.model(input_ids=input_ids[s:s + micro]).last_hidden_state[:, :-1]
-            out = loss_sums(hidden, model.lm_head, shifted[s:s + micro], spec, chunk_size=7)
-            (out["ce_sum"] / n_lab + spec.weight * out["term_sum"] / n_dig).backward()
+            loss.combine(loss.sums(hidden, model.lm_head, shifted[s:s + micro]), counts).backward()
         return [p.grad.clone() for p in model.parameters()]
 
     ref = grads(8)
@@ -253,7 +250,7 @@ def test_gradient_independent_of_micro_batching(tok, vocab):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # and the whole batch through HF's full logits gives the same gradient
     model.zero_grad()
-    full_logits_loss(model(input_ids=input_ids).logits[:, :-1], shifted, spec)["loss"].backward()
+    full_logits_loss(model(input_ids=input_ids).logits[:, :-1], shifted, loss)["loss"].backward()
     for p, b in zip(model.parameters(), ref):
         torch.testing.assert_close(p.grad, b, rtol=1e-5, atol=1e-6)
 
@@ -292,8 +289,8 @@ def test_bf16_logits_give_fp32(tok, vocab):
         out.backward()
         assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
     lm_head = nn.Linear(8, len(tok)).bfloat16()
-    s = loss_sums(torch.randn(*labels.shape, 8).bfloat16(), lm_head, labels, LossSpec("del", 0.3, 1.0, vocab), 5)
-    assert s["ce_sum"].dtype == s["term_sum"].dtype == torch.float32 and torch.isfinite(s["term_sum"])
+    s = Loss("del", 0.3, vocab, chunk_size=5).sums(torch.randn(*labels.shape, 8).bfloat16(), lm_head, labels)
+    assert s.ce.dtype == s.term.dtype == torch.float32 and torch.isfinite(s.term)
 
 
 def test_no_digit_labels_is_zero_with_grad(tok, vocab):
@@ -306,14 +303,17 @@ def test_no_digit_labels_is_zero_with_grad(tok, vocab):
         out.backward()
         assert logits.grad is not None and not logits.grad.any()
     hidden = torch.randn(*labels.shape, 8, requires_grad=True)
-    s = loss_sums(hidden, nn.Linear(8, len(tok)), labels, LossSpec("del", 0.3, 1.0, vocab), 3)
-    assert s["n_digits"] == 0 and s["term_sum"].item() == 0.0
-    (s["ce_sum"] / s["n_labels"] + s["term_sum"]).backward()
+    loss = Loss("del", 0.3, vocab, chunk_size=3)
+    s = loss.sums(hidden, nn.Linear(8, len(tok)), labels)
+    assert s.counts.digits == 0 and s.term.item() == 0.0
+    loss.combine(s, s.counts).backward()
     assert torch.isfinite(hidden.grad).all()
     labels[:] = -100   # nothing labelled at all: still a finite 0 in the graph
-    s = loss_sums(hidden, nn.Linear(8, len(tok)), labels, LossSpec("del", 0.3, 1.0, vocab), 3)
-    assert s["ce_sum"].item() == 0.0 and s["n_labels"] == 0
-    (s["ce_sum"] + s["term_sum"]).backward()
+    s = loss.sums(hidden, nn.Linear(8, len(tok)), labels)
+    assert s.ce.item() == 0.0 and s.counts.labels == 0
+    out = loss.combine(s, s.counts)
+    assert out.item() == 0.0
+    out.backward()
 
 
 def test_chunked_digit_tokenizer_is_refused():
@@ -326,13 +326,13 @@ def test_misaligned_logits_are_refused(tok, vocab):
         DigitEntropyLoss(vocab=vocab)(torch.zeros(1, 4, len(tok)), labels_of(tok, "123"))
 
 
-def test_make_term_and_fused_resolution(vocab):
-    spec = make_term(LossConfig(type="dist2", tau=0.5), vocab)
-    assert (spec.type, spec.weight, spec.tau) == ("dist2", 0.1, 0.5)
-    assert make_term(LossConfig(type="del"), vocab).weight == 0.3
-    assert not make_term(LossConfig(type="ce"), None).has_term
+def test_loss_from_config_and_fused_resolution(vocab):
+    loss = Loss.from_config(LossConfig(type="dist2", tau=0.5), vocab)
+    assert (loss.type, loss.weight, loss.params) == ("dist2", 0.1, {"tau": 0.5})
+    assert Loss.from_config(LossConfig(type="del"), vocab).weight == 0.3
+    assert not Loss.from_config(LossConfig(type="ce"), None).has_term
     with pytest.raises(UserError, match="single-token digits"):
-        make_term(LossConfig(type="del"), None)
+        Loss.from_config(LossConfig(type="del"), None)
     assert resolve_fused("off", "cpu") is False and resolve_fused("auto", "cpu") is False
 
 
@@ -340,3 +340,23 @@ def test_fused_on_without_cuda_or_interpreter_is_a_user_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UserError, match="fused_loss.*no CUDA"):
         resolve_fused("on", "cpu")
+
+
+def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
+    from delft.losses import Counts, Sums
+
+    loss = Loss("del", 0.5, vocab)
+    assert loss.combine(Sums(6.0, 2.0, Counts(1, 1)), Counts(3, 4)) == pytest.approx(6 / 3 + 0.5 * 2 / 4)
+    assert loss.means(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 0)) == {"ce": 2.0, "term": 0.0, "loss": 2.0}
+    assert Loss("ce").combine(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 4)) == 2.0  # no term, whatever the digits
+
+
+def test_every_loss_type_has_a_term_and_a_recipe_value():
+    from delft.loss_types import LOSS_TYPES
+    from delft.losses import TERMS
+
+    assert set(TERMS) == {n for n, t in LOSS_TYPES.items() if t.has_term}
+    for name in LOSS_TYPES:
+        assert LossConfig(type=name).weight == LOSS_TYPES[name].default_weight
+    with pytest.raises(ValueError, match="takes no tau"):
+        Loss("del", 0.3, DigitVocab(tuple(range(10)), 10), tau=0.5)

@@ -1,4 +1,4 @@
-"""delft.plan: the memory estimate against gpu.md's H200 measurements, its arithmetic, and the --plan command."""
+"""delft.plan: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
 
 import json
 
@@ -25,7 +25,7 @@ def recipe(**sections):
 
 @pytest.mark.parametrize("row", calibration_table(), ids=lambda r: f"{r['model']}-{r['batch']}x{r['seq']}")
 def test_estimate_within_20_percent_of_gpu_md(row):
-    """gpu.md's 'chunked CE + 10-row digit term' peaks (torch max allocated, H200).
+    """docs/gpu.md's 'chunked CE + 10-row digit term' peaks (torch max allocated, H200).
 
     The probe that measured them kept the previous variant's bf16 logits (batch x seq x vocab) alive during the
     first chunked step, so the like-for-like comparison adds them; the raw gap is recorded in
@@ -41,7 +41,7 @@ def test_estimate_within_20_percent_of_gpu_md(row):
 
 @pytest.mark.parametrize("row", liger_calibration_table("del"), ids=lambda r: f"{r['model']}-{r['batch']}x{r['seq']}")
 def test_fused_estimate_within_10_percent_of_gpu_md_liger_rows(row):
-    """gpu.md's 'Liger kernels, CE only' peaks, to which LIGER_LAYER_FIT was fitted: a regression check of the
+    """docs/gpu.md's 'Liger kernels, CE only' peaks, to which LIGER_LAYER_FIT was fitted: a regression check of the
     fit, not a measurement of delft (bench/train_bench.py --gpu measures delft_del / liger_ce)."""
     assert (row["model"], row["batch"], row["seq"]) in {("0.5b", 8, 512), ("1.5b", 4, 1024), ("7b", 1, 4096)}
     assert abs(row["ratio"] - 1) <= 0.10, row
@@ -129,3 +129,22 @@ def test_cli_plan_bad_budget_is_a_user_error(tmp_path, tiny_model_dir):
     r = runner.invoke(app, ["recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan",
                             "--gpu-memory", "plenty"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_plan_takes_the_fused_path_by_trainings_rule():
+    """planned_fused is fused_applies on a CUDA machine; 'on' without liger-kernel is planned fused, with a warning."""
+    import importlib.util
+
+    from delft.loss_types import fused_applies
+    from delft.plan import planned_fused
+
+    have = importlib.util.find_spec("liger_kernel") is not None
+    for mode in ("off", "auto", "on"):
+        fused, liger, warning = planned_fused(validate_recipe({"train": {"fused_loss": mode}}))
+        assert liger == have and fused == (fused_applies(mode, True, have)[0] or mode == "on")
+        assert bool(warning) == (mode == "on" and not have)
+    assert fused_applies("auto", cuda=True, liger=True) == (True, "")
+    assert fused_applies("auto", cuda=False, liger=True, interpreter=True) == (False, "")  # never the slow interpreter
+    assert fused_applies("on", cuda=False, liger=True, interpreter=True) == (True, "")
+    assert "no CUDA" in fused_applies("on", cuda=False, liger=True)[1]
+    assert "not installed" in fused_applies("on", cuda=True, liger=False)[1]

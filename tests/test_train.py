@@ -26,6 +26,7 @@ def test_loss_falls_and_run_dir_is_complete(tmp_path, tiny_model_dir):
         assert (run / name).is_file(), name
     info = json.loads((run / "delft_run.json").read_text())
     assert info["status"] == "completed" and info["step"] == 30
+    assert info["loss_path"] == "chunked_ce" and info["liger_kernels"] == []  # CPU, fused_loss auto: chunked CE
     assert load_recipe(run / "recipe.yaml") == load_recipe(path)
 
 
@@ -72,6 +73,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, mo
     steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(ln)]
     assert steps == [1, 2, 3, 4, 5, 6]  # no duplicated or missing log lines
+    assert json.loads((run_dir / "delft_run.json").read_text())["loss_path"] == "chunked_ce"
 
 
 def test_existing_run_is_never_overwritten_without_force(tmp_path, tiny_model_dir):

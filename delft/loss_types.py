@@ -1,0 +1,58 @@
+"""The loss types a recipe can name, and the rule that picks the CE path: torch-free, for the recipe schema,
+``delft recipe check --plan``, the loss factory (delft.losses) and the docs (docs/losses.md).
+
+A new digit term is one LOSS_TYPES entry here plus one per-position function in delft.losses registered under
+the same name (``@term_of("name")``); options it reads (like dist2's tau) are LossConfig fields named in
+``params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LossType:
+    name: str
+    default_weight: float  # lambda when loss.weight is not given
+    summary: str  # one line: what the term is
+    params: tuple[str, ...] = ()  # LossConfig fields the term takes as keyword arguments
+
+    @property
+    def has_term(self) -> bool:
+        return self.name != CE
+
+
+CE = "ce"
+# Default lambdas: delft normalises CE and the digit term each as a mean over the whole optimizer batch. The
+# reference (PolyU-VCLab/DEL) adds lambda=0.01 x a per-micro-batch mean to a CE already divided by the whole
+# accumulated batch, over 32 accumulation steps: an effective DEL:CE ratio of 32 x 0.01 = 0.32, kept (rounded)
+# as the DEL default. NTL's paper recommends 0.3; DIST2Loss uses alpha 0.1.
+LOSS_TYPES: dict[str, LossType] = {t.name: t for t in (
+    LossType("del", 0.3, "Digit Entropy Loss: place-weighted mean_k p_k * BCE(z_k, 1[k = y]) over the ten digits"),
+    LossType("ntl_was", 0.3, "Number Token Loss, Wasserstein: sum_k p_k |k - y|"),
+    LossType("ntl_mse", 0.3, "Number Token Loss, MSE: (sum_k p_k k - y)^2"),
+    LossType("dist2", 0.1, "KL(q || p) to a soft target q_k ~ exp(-(k - y)^2 / tau)", params=("tau",)),
+    LossType(CE, 0.0, "cross-entropy only, no digit term"),
+)}
+
+# The CE paths a training step can take (recorded in the run info as "loss_path").
+CHUNKED_CE = "chunked_ce"  # pure torch: the output layer in checkpointed chunks of train.loss_chunk_size rows
+FUSED_CE = "fused_linear_ce"  # Liger's fused linear cross-entropy (CUDA, or the Triton interpreter)
+
+
+def fused_applies(mode: str, cuda: bool, liger: bool, interpreter: bool = False) -> tuple[bool, str]:
+    """(use Liger's kernels?, why not, when train.fused_loss 'on' cannot be honoured; else "").
+
+    'auto': on CUDA when liger-kernel is there. 'on': insists; also allowed on the CPU under the Triton
+    interpreter (TRITON_INTERPRET=1), too slow to train with but the very same kernels, so tests can check the
+    fused path against the chunked one. 'off': never. Training and the memory plan both decide with this.
+    """
+    if mode == "off":
+        return False, ""
+    if liger and (cuda or (mode == "on" and interpreter)):
+        return True, ""
+    if mode == "on":
+        return False, ("liger-kernel is not installed (or Triton is missing)" if not liger else
+                       "there is no CUDA device (and TRITON_INTERPRET=1 is not set)")
+    return False, ""
