@@ -282,8 +282,8 @@ def _todays_terms_equal(tokenizer):
     z = losses.digit_logits(hidden[old.mask], model.lm_head, vocab.ids)
     chars = char_logits(z, new.gold, vocab.char_table())
     assert torch.equal(chars.logits, z) and torch.equal(chars.digit, old.targets)
-    for kind in losses.TERM_TYPES:
-        term = losses.LossSpec(type=kind, weight=1.0, vocab=vocab.digit_vocab()).term
+    for kind in losses.TERMS:
+        term = losses.Loss(kind, 1.0, vocab.digit_vocab()).term
         assert torch.equal(term(chars.logits, chars.digit, new.weights), term(z, old.targets, old.weights))
 
 
