@@ -10,51 +10,10 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.evaluate import run_eval
+from helpers import lora_run as _lora_run
+from tiny import save_digit_model as _digit_model
 
 FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
-
-
-def _digit_model(path: Path, hidden: int = 32, seed: int = 0) -> Path:
-    """A tiny model whose output layer only ever picks digits or '.', so every answer holds a number."""
-    import torch
-
-    from tiny import build_model, build_tokenizer
-
-    tok = build_tokenizer()
-    model = build_model(tok, hidden=hidden, seed=seed)
-    allowed = [tok.convert_tokens_to_ids(c) for c in "0123456789."]
-    with torch.no_grad():
-        w = model.lm_head.weight
-        keep = w[allowed].clone() * 20
-        w.zero_()
-        w[allowed] = keep
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def _lora_run(model_dir: Path, run_dir: Path, info: bool = True) -> Path:
-    """A run directory as `delft train` leaves it: peft adapter (non-zero B), delft_run.json, recipe.yaml."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from delft.rundir import RUN_INFO, architecture
-    from delft.recipe import dump_recipe, validate_recipe
-
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  init_lora_weights=False))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(run_dir)
-    if info:
-        (run_dir / RUN_INFO).write_text(json.dumps({
-            "status": "completed", "base_model": str(model_dir), "architecture": architecture(model.config)}))
-        (run_dir / "recipe.yaml").write_text(dump_recipe(validate_recipe(
-            {"model": {"name": str(model_dir)}, "output": {"dir": str(run_dir)}})))
-    return run_dir
 
 
 @pytest.fixture(scope="module")
