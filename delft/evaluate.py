@@ -21,7 +21,7 @@ from delft.answers import (Scored, canonical, extract_answer, paired_difference,
 from delft.data import EVAL_SEED_OFFSET
 from delft.digits import place_name
 from delft.errors import UserError
-from delft.rundir import write_atomic
+from delft.outputs import check_output_files, write_figure, write_result
 
 BOOTSTRAP_SEED = 0
 
@@ -127,7 +127,8 @@ def _finished_run(path: Path) -> Optional[Path]:
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
     from delft.models import resolve_model
-    from delft.rundir import ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, is_merged_model, read_info
+    from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, check_model_files,
+                              is_merged_model, read_info)
 
     base_config = None
     for run in runs:
@@ -135,10 +136,14 @@ def check_runs(runs: Sequence[str], base: str) -> None:
         if not p.exists():
             raise UserError(f"run directory {run} does not exist", "delft eval",
                             "Give a directory written by `delft train` (or by `delft export`).")
+        if not p.is_dir():
+            raise UserError(f"{run} is a file, not a run directory", "delft eval",
+                            "Give a directory written by `delft train` (or by `delft export`).")
         adapter = p.is_dir() and (p / ADAPTER_CONFIG).is_file()
         if not adapter and not is_merged_model(p):
             raise UserError(f"{run} holds neither an adapter ({ADAPTER_CONFIG}) nor a merged model ({MODEL_CONFIG})",
                             "delft eval", "Give a run directory written by `delft train` or a merged model.")
+        check_model_files(p, "delft eval", "Restore the file, or train (or export) that run again.")
         if adapter and read_info(p).get("architecture"):
             if base_config is None:
                 from transformers import AutoConfig
@@ -360,7 +365,7 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
     }
 
 
-def write_plot(results: Sequence[ModelResult], path: Path, title: str) -> None:
+def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str = "--plot") -> None:
     """Grouped bars: per-place digit accuracy, one colour per model (matplotlib's Agg canvas, no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -384,8 +389,7 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    write_figure(fig, path, flag)
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -403,6 +407,7 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
                         "Give run directories, or drop --no-base.")
     check_runs(runs, base)
+    check_output_files({"--json": json_out, "--plot": plot})
     problems, skipped = load_problems(data_cfg, console)
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
     title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
@@ -422,9 +427,7 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
                 **settings_block(data_cfg, cfg, len(problems), skipped)}
     if json_out is not None:
-        json_out = Path(json_out)
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(json_out, json.dumps(to_json(results, problems, settings), indent=2))
+        write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
         console.print(f"[green]wrote[/] {json_out}")
     if plot is not None:
         write_plot(results, Path(plot), title)
