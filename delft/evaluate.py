@@ -221,9 +221,12 @@ def progress_bar(console: Console):
 
 
 def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, problems: Sequence[Problem], data_cfg,
-                    recipe_cfg, console: Console) -> list[ModelResult]:
-    """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised."""
-    results = []
+                    recipe_cfg, console: Console, done: Optional[list] = None) -> list[ModelResult]:
+    """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised.
+
+    Each finished result is appended to ``done`` (when given) at once, so a later failure cannot lose it.
+    """
+    results = [] if done is None else done
     with progress_bar(console) as progress:
         for name, adapter in columns:
             task = progress.add_task(name, total=len(problems))
@@ -395,6 +398,22 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str
 # ---------------------------------------------------------------------------------------------- entry
 
 
+def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,
+                  json_out: Optional[Path], console: Console) -> UserError:
+    """A model that fails after others were evaluated: theirs are shown and, with --json, written (marked
+    incomplete), and the error says where they are."""
+    if not done:
+        return err
+    console.print(render_table(done, "delft eval, incomplete: the models evaluated before the error"))
+    kept = f"The models evaluated before it ({', '.join(r.name for r in done)}) are in the table above"
+    if json_out is not None:
+        report = {**to_json(done, problems, settings), "incomplete": str(err)}
+        write_result(Path(json_out), json.dumps(report, indent=2), "--json")
+        kept += f" and in {json_out} (marked incomplete)"
+    return UserError(err.what, err.where, f"{err.fix or ''} {kept}.".strip())
+
+
+
 def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
              data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
              include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
@@ -411,8 +430,14 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     problems, skipped = load_problems(data_cfg, console)
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
     title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
-    results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg, cfg,
-                              console)
+    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
+                **settings_block(data_cfg, cfg, len(problems), skipped)}
+    done: list[ModelResult] = []
+    try:
+        results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg,
+                                  cfg, console, done)
+    except UserError as e:
+        raise keep_finished(e, done, problems, settings, json_out, console) from None
     if include_base:
         for r in results[1:]:
             r.vs_base = differences(flags(results[0].scored), flags(r.scored), cfg.eval.bootstrap)
@@ -424,8 +449,6 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
         console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
 
-    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
-                **settings_block(data_cfg, cfg, len(problems), skipped)}
     if json_out is not None:
         write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
         console.print(f"[green]wrote[/] {json_out}")

@@ -227,3 +227,19 @@ def test_compare_out_is_checked_before_training(tiny_model_dir, tmp_path):
     with read_only_dir(tmp_path / "locked") as locked:
         refused(cli(["compare", ce, de, "--out", locked / "res"]), "cannot write in", "--out")
     assert a_file.read_text() == "keep me" and not (tmp_path / "ce-seed0").exists()
+
+
+def test_eval_keeps_the_base_results_when_a_later_model_fails_to_load(tiny_model_dir, tmp_path):
+    import json
+
+    from helpers import lora_run
+    from tiny import save_tiny
+
+    other = save_tiny(tmp_path / "wide", hidden=64)
+    bare = lora_run(other, tmp_path / "bare", info=False)  # no run info: only loading finds the mismatch
+    out = tmp_path / "eval.json"
+    r = cli(eval_args(tiny_model_dir, bare, extra=["--json", out]))
+    refused(r, "does not fit", "evaluated before it (base)", str(out))
+    report = json.loads(out.read_text())
+    assert [m["name"] for m in report["models"]] == ["base"] and "does not fit" in report["incomplete"]
+    assert len(report["models"][0]["predictions"]) == 2
