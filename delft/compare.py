@@ -144,9 +144,12 @@ def _last_rows(run_dir: Path) -> dict:
     path = run_dir / METRICS
     out: dict = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:  # a line cut short or damaged: the report keeps the last whole rows
+                continue
+            if isinstance(row, dict):
                 out["validation" if "val_loss" in row else "train"] = row
     return out
 

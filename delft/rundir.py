@@ -125,19 +125,25 @@ def check_model_files(path: Path, where: str, fix: str) -> None:
 
     path = Path(path)
     for name in (ADAPTER_CONFIG, MODEL_CONFIG):
-        f = path / name
-        if f.exists():
-            try:
-                if not isinstance(json.loads(f.read_text(encoding="utf-8")), dict):
-                    raise ValueError("not a JSON object")
-            except (ValueError, UnicodeDecodeError, OSError) as e:
-                raise _damaged(f, e, where, fix) from None
+        if (path / name).exists():
+            read_json(path / name, where, fix)
     for f in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as sf:
                 sf.keys()
         except Exception as e:  # safetensors' own error type, or an OSError
             raise _damaged(f, e, where, fix) from None
+
+
+def read_json(file: Path, where: str, fix: str) -> dict:
+    """A JSON object from ``file`` (a model's or adapter's config); anything else is a UserError naming it."""
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise _damaged(Path(file), e, where, fix) from None
+    if not isinstance(data, dict):
+        raise _damaged(Path(file), ValueError("not a JSON object"), where, fix)
+    return data
 
 
 def _damaged(file: Path, err: Exception, where: str, fix: str) -> UserError:

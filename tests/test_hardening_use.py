@@ -243,3 +243,18 @@ def test_eval_keeps_the_base_results_when_a_later_model_fails_to_load(tiny_model
     report = json.loads(out.read_text())
     assert [m["name"] for m in report["models"]] == ["base"] and "does not fit" in report["incomplete"]
     assert len(report["models"][0]["predictions"]) == 2
+
+
+def test_recipe_check_plan_names_a_corrupt_config(tiny_model_dir, tmp_path):
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    (model / "config.json").write_bytes(b"\x80\x81 not json")
+    recipe = recipe_file(tmp_path, model)
+    refused(cli(["recipe", "check", recipe, "--plan", "--gpu-memory", "8GiB"]), str(model / "config.json"), "damaged")
+
+
+def test_compare_report_skips_a_damaged_metrics_line(tmp_path):
+    from delft.compare import _last_rows
+    from delft.rundir import METRICS
+
+    (tmp_path / METRICS).write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 1.5}\n{"step": 3, "lo\xff')
+    assert _last_rows(tmp_path) == {"train": {"step": 1, "loss": 2.0}, "validation": {"step": 2, "val_loss": 1.5}}
