@@ -19,6 +19,7 @@ A failed check keeps the output, marked with MERGE_CHECK_FAILED.txt, and exits 1
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import re
@@ -658,7 +659,7 @@ def _tmp_prefix(out: Path) -> str:
 
 def _check_no_other_export(out: Path) -> None:
     """Refuse, before the merge, an --out another running export is writing (its temporary directory)."""
-    for tmp in out.parent.glob(f"{_tmp_prefix(out)}*-*") if out.parent.is_dir() else []:
+    for tmp in out.parent.glob(f"{glob.escape(_tmp_prefix(out))}*-*") if out.parent.is_dir() else []:
         pid = tmp.name[len(_tmp_prefix(out)):].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             raise UserError(f"another delft export (process {pid}) is writing {out} right now", "--out",
