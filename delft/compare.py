@@ -28,9 +28,9 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
+from delft.outputs import check_output_dir, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
-from delft.rundir import (METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info,
-                          write_atomic)
+from delft.rundir import METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info
 
 REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
 DEFAULT_TRANSFER_FORMAT = "svamp"
@@ -89,8 +89,11 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
     for p in map(Path, paths):
         if not p.is_file():
             raise UserError(f"recipe file {p} does not exist", "delft compare", "Check the path.")
-        if not any(p.resolve() == q.resolve() for q in unique):
-            unique.append(p)
+        twin = next((q for q in unique if p.resolve() == q.resolve()), None)
+        if twin is not None:
+            raise UserError(f"{p} is given twice ({twin} is the same file)", "delft compare",
+                            "Give each recipe once; to train one recipe several times, use --seed.")
+        unique.append(p)
     bases = {b.resolve() for p in unique for b in recipe_chain(p)[1:]}
     contenders = []
     for p in unique:
@@ -98,6 +101,11 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             console.print(f"[dim]{p}: the shared base of the other recipes, not a run of its own[/]")
             continue
         contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
+    if len(contenders) < 2:
+        raise UserError(f"compare needs at least two recipes to compare, got {len(contenders)} "
+                        f"({', '.join(str(c.path) for c in contenders)})", "delft compare",
+                        "Give two or more recipes that differ in their loss (e.g. recipes/compare/*.yaml); "
+                        "to train one recipe, use delft train.")
     names = [c.name for c in contenders]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -136,9 +144,12 @@ def _last_rows(run_dir: Path) -> dict:
     path = run_dir / METRICS
     out: dict = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:  # a line cut short or damaged: the report keeps the last whole rows
+                continue
+            if isinstance(row, dict):
                 out["validation" if "val_loss" in row else "train"] = row
     return out
 
@@ -485,16 +496,17 @@ def _transfer_key(transfer_cfg) -> str:
     return "transfer" if key == "synthetic" else key
 
 
-def _write_plots(sets: dict[str, tuple[dict, list]], seeds: Sequence[int], out: Path) -> dict[str, str]:
+def _plot_path(out: Path, key: str) -> Path:
+    return out / f"places_{key}.png"
+
+
+def _write_plots(sets: dict[str, tuple[dict, list]], seeds: Sequence[int], out: Path) -> None:
     from delft.evaluate import write_plot
 
-    plots = {}
     what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
     for key, (section, results) in sets.items():
-        path = out / f"places_{key}.png"
-        write_plot(results, path, f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})")
-        plots[key] = str(path)
-    return plots
+        write_plot(results, _plot_path(out, key),
+                   f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})", "--out")
 
 
 def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Sequence[int], base: str,
@@ -535,6 +547,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
         raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
                         "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
+    check_output_dir(Path(out), "--out")  # before hours of training, not after
     contenders = resolve_contenders(recipe_paths, overrides, console)
     cfg0 = contenders[0].for_seed(seeds[0])
     transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
@@ -555,19 +568,19 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
         sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     report = _plain({
         "delft_version": __version__,
         "command": command,
         "settings": _report_settings(cfg0, contenders, seeds, base, limit, transfer_cfg, transfer_max_new_tokens),
         "training": training,
         "evals": {key: section for key, (section, _) in sets.items()},
-        "plots": _write_plots(sets, seeds, out),
+        "plots": {key: str(_plot_path(out, key)) for key in sets},
     })
     written = {REPORT: json.dumps(report, indent=1) + "\n", TABLES: tables.export_text(),
                SUMMARY: markdown_summary(report)}
-    for name, text in written.items():
-        write_atomic(out / name, text)
+    for name, text in written.items():  # the numbers first, then the pictures of them
+        write_result(out / name, text, "--out")
+    _write_plots(sets, seeds, out)
     console.print(f"[green]wrote[/] {', '.join(str(out / name) for name in written)}, "
                   + ", ".join(report["plots"].values()))
     return report

@@ -21,7 +21,7 @@ from delft.answers import (Scored, canonical, extract_answer, paired_difference,
 from delft.data import EVAL_SEED_OFFSET
 from delft.digits import place_name
 from delft.errors import UserError
-from delft.rundir import write_atomic
+from delft.outputs import check_output_files, write_figure, write_result
 
 BOOTSTRAP_SEED = 0
 
@@ -127,7 +127,8 @@ def _finished_run(path: Path) -> Optional[Path]:
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
     from delft.models import resolve_model
-    from delft.rundir import ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, is_merged_model, read_info
+    from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, check_model_files,
+                              is_merged_model, read_info)
 
     base_config = None
     for run in runs:
@@ -135,10 +136,14 @@ def check_runs(runs: Sequence[str], base: str) -> None:
         if not p.exists():
             raise UserError(f"run directory {run} does not exist", "delft eval",
                             "Give a directory written by `delft train` (or by `delft export`).")
+        if not p.is_dir():
+            raise UserError(f"{run} is a file, not a run directory", "delft eval",
+                            "Give a directory written by `delft train` (or by `delft export`).")
         adapter = p.is_dir() and (p / ADAPTER_CONFIG).is_file()
         if not adapter and not is_merged_model(p):
             raise UserError(f"{run} holds neither an adapter ({ADAPTER_CONFIG}) nor a merged model ({MODEL_CONFIG})",
                             "delft eval", "Give a run directory written by `delft train` or a merged model.")
+        check_model_files(p, "delft eval", "Restore the file, or train (or export) that run again.")
         if adapter and read_info(p).get("architecture"):
             if base_config is None:
                 from transformers import AutoConfig
@@ -216,9 +221,12 @@ def progress_bar(console: Console):
 
 
 def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, problems: Sequence[Problem], data_cfg,
-                    recipe_cfg, console: Console) -> list[ModelResult]:
-    """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised."""
-    results = []
+                    recipe_cfg, console: Console, done: Optional[list] = None) -> list[ModelResult]:
+    """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised.
+
+    Each finished result is appended to ``done`` (when given) at once, so a later failure cannot lose it.
+    """
+    results = [] if done is None else done
     with progress_bar(console) as progress:
         for name, adapter in columns:
             task = progress.add_task(name, total=len(problems))
@@ -360,7 +368,7 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
     }
 
 
-def write_plot(results: Sequence[ModelResult], path: Path, title: str) -> None:
+def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str = "--plot") -> None:
     """Grouped bars: per-place digit accuracy, one colour per model (matplotlib's Agg canvas, no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -384,11 +392,26 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    write_figure(fig, path, flag)
 
 
 # ---------------------------------------------------------------------------------------------- entry
+
+
+def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,
+                  json_out: Optional[Path], console: Console) -> UserError:
+    """A model that fails after others were evaluated: theirs are shown and, with --json, written (marked
+    incomplete), and the error says where they are."""
+    if not done:
+        return err
+    console.print(render_table(done, "delft eval, incomplete: the models evaluated before the error"))
+    kept = f"The models evaluated before it ({', '.join(r.name for r in done)}) are in the table above"
+    if json_out is not None:
+        report = {**to_json(done, problems, settings), "incomplete": str(err)}
+        write_result(Path(json_out), json.dumps(report, indent=2), "--json")
+        kept += f" and in {json_out} (marked incomplete)"
+    return UserError(err.what, err.where, f"{err.fix or ''} {kept}.".strip())
+
 
 
 def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
@@ -403,11 +426,18 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
                         "Give run directories, or drop --no-base.")
     check_runs(runs, base)
+    check_output_files({"--json": json_out, "--plot": plot})
     problems, skipped = load_problems(data_cfg, console)
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
     title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
-    results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg, cfg,
-                              console)
+    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
+                **settings_block(data_cfg, cfg, len(problems), skipped)}
+    done: list[ModelResult] = []
+    try:
+        results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg,
+                                  cfg, console, done)
+    except UserError as e:
+        raise keep_finished(e, done, problems, settings, json_out, console) from None
     if include_base:
         for r in results[1:]:
             r.vs_base = differences(flags(results[0].scored), flags(r.scored), cfg.eval.bootstrap)
@@ -419,12 +449,8 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
         console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
 
-    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
-                **settings_block(data_cfg, cfg, len(problems), skipped)}
     if json_out is not None:
-        json_out = Path(json_out)
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(json_out, json.dumps(to_json(results, problems, settings), indent=2))
+        write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
         console.print(f"[green]wrote[/] {json_out}")
     if plot is not None:
         write_plot(results, Path(plot), title)

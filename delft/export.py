@@ -18,6 +18,8 @@ A failed check keeps the output, marked with MERGE_CHECK_FAILED.txt, and exits 1
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import os
 import re
@@ -32,7 +34,9 @@ from rich.table import Table
 
 from delft.errors import UserError, VerificationError
 from delft.models import GGUF_SOURCE
-from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RECIPE, RUN_INFO, has_adapter, read_info
+from delft.outputs import check_writable_dir, follow_umask
+from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RECIPE, RUN_INFO, check_model_files,
+                          has_adapter, read_info)
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -100,6 +104,7 @@ def check_run_dir(run_dir: Path) -> dict:
                 if info.get("status") not in (None, COMPLETED) else "")
         raise UserError(f"{run_dir} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]}){hint}",
                         "delft export", "Give the output.dir of a finished `delft train` run.")
+    check_model_files(run_dir, "delft export", "Restore the file, or train the run again.")
     return info
 
 
@@ -120,6 +125,8 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
         kind = "a non-empty directory" if out.is_dir() else "a file"
         raise UserError(f"{out} already exists and is {kind}", "--out",
                         "Choose another --out or pass --force to replace it.")
+    check_writable_dir(out.parent, "--out")
+    _check_no_other_export(out)
 
 
 def _local_param_count(path: str) -> Optional[int]:
@@ -616,7 +623,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
                             "the fp32 merge check and the bit-exact file check still cover the merge.")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(out)}{os.getpid()}-", dir=out.parent))
     try:
         _save(tmp, merged, tokenizer, result, max_shard_size)
         del merged  # its weights go before the reload
@@ -626,7 +633,12 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
         (tmp / EXPORT_INFO).write_text(json.dumps(_export_info(result, info), indent=2))
         if not result.passed:
             (tmp / MARKER).write_text(_failure_text(result))
-        _swap_into_place(tmp, out)
+        follow_umask(tmp)
+        _swap_into_place(tmp, out, force)
+    except OSError as e:  # disk full or the directory taken away mid-write: nothing is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write the merged model for {out} ({e.strerror or e})", "--out",
+                        "Free some space or choose another --out, then export again.") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -640,8 +652,46 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     return result
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory to ``out``; an old ``out`` is moved aside first, then deleted."""
+def _tmp_prefix(out: Path) -> str:
+    """Temporary export directories beside ``out``: this prefix, then the pid of the export writing it."""
+    return f".{out.name}.tmp-"
+
+
+def _check_no_other_export(out: Path) -> None:
+    """Refuse, before the merge, an --out another running export is writing (its temporary directory)."""
+    for tmp in out.parent.glob(f"{glob.escape(_tmp_prefix(out))}*-*") if out.parent.is_dir() else []:
+        pid = tmp.name[len(_tmp_prefix(out)):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            raise UserError(f"another delft export (process {pid}) is writing {out} right now", "--out",
+                            "Wait for it to finish, or export to another --out.")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _swap_into_place(tmp: Path, out: Path, force: bool = True) -> None:
+    """Rename the finished temporary directory to ``out``; an old ``out`` is moved aside first, then deleted.
+
+    Without ``force``, an ``out`` that another process filled meanwhile is kept, and so is this export.
+    """
+    if not force:
+        try:
+            os.rename(tmp, out)  # replaces an empty directory, never a full one
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+        kept = out.with_name(f"{out.name}.{os.getpid()}")
+        os.rename(tmp, kept)
+        raise UserError(f"{out} was written by another process while this export ran", "--out",
+                        f"This export was kept in {kept}: compare the two, then rename the one to keep.")
     old = None
     if out.exists() or out.is_symlink():
         if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):

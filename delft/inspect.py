@@ -32,11 +32,11 @@ from delft import __version__
 from delft.data import prompt_ids
 from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
-from delft.rundir import write_atomic
+from delft.outputs import check_output_files, write_figure, write_result
 
 PURPOSE = "per-digit inspection"
 # "391", "-3.5", "1,234", "+0.25", ".5": an optional sign, digits (comma groups of 3 allowed), a decimal part.
-TARGET_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+TARGET_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)", re.ASCII)  # 0-9 only, not "٤٢"
 LEGEND = ("cells: P(digit | the next token is a digit) in %, [n] = the answer's digit, '·' < 0.5 %; "
           "entropy: over the ten digits, in bits; P(digits): full-vocabulary probability that the next token "
           "is a digit at all; p(token): full-vocabulary probability of the answer's token; argmax: where the "
@@ -85,7 +85,9 @@ def check_target(target: str) -> str:
     """The target stripped of surrounding spaces; a UserError unless it is one plain number."""
     text = str(target).strip()
     if not TARGET_RE.fullmatch(text):
-        raise UserError(f"target is not a number: {target!r}", "--target",
+        other = any(c.isdigit() and c not in DIGITS for c in text)  # e.g. Arabic-Indic or full-width digits
+        raise UserError(f"target is not a number{' written with the digits 0-9' if other else ''}: {target!r}",
+                        "--target",
                         'Give the answer as a plain number, e.g. --target 391, --target -3.5 or --target 1,234.')
     return text
 
@@ -454,8 +456,7 @@ def write_plot(result: InspectResult, path: Path) -> None:
                                 color="black" if p > 0.6 else "white")
     fig.colorbar(image, ax=list(axes), label="P(digit | a digit comes next)", shrink=0.9)
     fig.suptitle(f"{result.prompt[:70]!r} -> {result.answer[:40]!r} (red: the answer's digit)", fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")
+    write_figure(fig, path, "--plot", dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -469,7 +470,7 @@ class _Spec:
 
 
 def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
-    from delft.rundir import base_model
+    from delft.rundir import base_model, check_model_files
 
     if not adapters:
         if base is None:
@@ -486,10 +487,14 @@ def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
                 raise UserError("'base' needs a base model", "delft inspect", "Pass --model NAME or a recipe.")
             specs.append(_Spec("base", b, None))
             continue
+        if Path(a).is_file():
+            raise UserError(f"{a} is a file, not a run directory", "delft inspect",
+                            "Give a directory written by `delft train` or `delft export`, or 'base'.")
         if not Path(a).is_dir():
             raise UserError(f"run directory {a} does not exist", "delft inspect",
                             "Give a directory written by `delft train` (an adapter) or by `delft export` "
                             "(a merged model), or 'base' for the base model.")
+        check_model_files(Path(a), "delft inspect", "Restore the file, or train (or export) that run again.")
         specs.append(_Spec(str(a) if names.count(n) > 1 or n == "base" else n, base, str(a)))
     return specs
 
@@ -558,9 +563,7 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
 
 def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Optional[Path], console: Console) -> None:
     if json_out is not None:
-        json_out = Path(json_out)
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(json_out, json.dumps(to_json(result), indent=2))
+        write_result(Path(json_out), json.dumps(to_json(result), indent=2), "--json")
         console.print(f"wrote {json_out}")
     if plot is not None:
         if result.has_digits:
@@ -581,6 +584,7 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
     cfg = load_recipe(recipe_path, list(overrides))
     target_text = _check_arguments(prompt, max_new_tokens, target)
     specs = _model_specs(model or (cfg.model.name if recipe_path is not None else None), list(adapters))
+    check_output_files({"--json": json_out, "--plot": plot})
     result: Optional[InspectResult] = None
     first_vocab = None
     for i, spec in enumerate(specs):

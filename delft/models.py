@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
-from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches, has_adapter,
-                          is_merged_model, tokenizer_source)
+from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches,
+                          check_model_files, has_adapter, is_merged_model, tokenizer_source)
 
 SMOLLM2_ALIAS = "smollm2-135m"
 HUB_ID = r"[\w.-]+/[\w.-]+"  # org/name: what delft treats as a hub id (models and datasets)
@@ -240,6 +240,8 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
         kwargs["device_map"] = {"": device if device == "cpu" else 0}
+    if ref.is_local:
+        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
     try:
         model = AutoModelForCausalLM.from_pretrained(ref.path, **kwargs)
     except OSError as e:
@@ -349,6 +351,7 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
     tokenizer = load_tokenizer(tokenizer_source(Path(adapter) if adapter else None, ref.path))
     if adapter is not None:
         check_adapter_matches(adapter, base, model.config, "adapter")
+        check_model_files(Path(adapter), "adapter", "Restore the file, or train that run again.")
         from peft import PeftModel
 
         try:

@@ -19,7 +19,6 @@ row padded to data.max_length and every position labelled.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -276,7 +275,7 @@ def read_model_config(recipe) -> tuple[dict, str]:
     if name == SMOLLM2_ALIAS:
         path = cache_dir() / SMOLLM2_ALIAS / "config.json"
         if path.is_file():
-            return json.loads(path.read_text()), str(path)
+            return _config(path), str(path)
         return dict(SMOLLM2_CONFIG), "built-in shape of SmolLM2-135M-Instruct"
     if name.endswith(".gguf"):
         from delft.models import gguf_cache_path
@@ -285,7 +284,7 @@ def read_model_config(recipe) -> tuple[dict, str]:
         if p.is_file():  # the directory delft.models.gguf_to_cache converts it into
             conv = gguf_cache_path(p) / "config.json"
             if conv.is_file():
-                return json.loads(conv.read_text()), str(conv)
+                return _config(conv), str(conv)
         raise UserError(f"--plan needs a config.json; {name} has not been converted yet", "model.name",
                         "Run `delft train` once on a CPU (it converts the GGUF file) or point model.name at a "
                         "model directory.")
@@ -293,7 +292,7 @@ def read_model_config(recipe) -> tuple[dict, str]:
 
     ref = resolve_model(name, recipe.model.revision)
     if ref.is_local:
-        return json.loads((Path(ref.path) / "config.json").read_text()), str(Path(ref.path) / "config.json")
+        return _config(Path(ref.path) / "config.json"), str(Path(ref.path) / "config.json")
     try:
         from huggingface_hub import hf_hub_download
 
@@ -301,7 +300,13 @@ def read_model_config(recipe) -> tuple[dict, str]:
     except Exception as e:  # noqa: BLE001 - network and hub errors come in many types
         raise UserError(f"could not fetch config.json of {name!r}: {str(e).splitlines()[0][:200]}", "model.name",
                         "Download the model directory where there is network and point model.name at it.") from None
-    return json.loads(Path(path).read_text()), f"{name} (config.json from the hub)"
+    return _config(Path(path)), f"{name} (config.json from the hub)"
+
+
+def _config(path: Path) -> dict:
+    from delft.rundir import read_json
+
+    return read_json(path, "model.name", "Restore or download the model again.")
 
 
 # ----------------------------------------------------------------------------- knobs

@@ -33,8 +33,12 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     """Write a file whole or not at all: a temporary sibling, then a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:  # disk full, interrupted: no stray temporary file beside the user's
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ----------------------------------------------------------------------------- run info
@@ -112,6 +116,39 @@ def tokenizer_source(run_dir: Optional[Path], base_path: str) -> str:
     if run_dir is not None and any(Path(run_dir).glob("tokenizer*")):
         return str(run_dir)
     return base_path
+
+
+def check_model_files(path: Path, where: str, fix: str) -> None:
+    """Refuse a damaged adapter or model directory before any long work: its JSON configs must parse and every
+    safetensors file must have a whole header covering the file (an adapter cut short fails here, by name)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    for name in (ADAPTER_CONFIG, MODEL_CONFIG):
+        if (path / name).exists():
+            read_json(path / name, where, fix)
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                sf.keys()
+        except Exception as e:  # safetensors' own error type, or an OSError
+            raise _damaged(f, e, where, fix) from None
+
+
+def read_json(file: Path, where: str, fix: str) -> dict:
+    """A JSON object from ``file`` (a model's or adapter's config); anything else is a UserError naming it."""
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise _damaged(Path(file), e, where, fix) from None
+    if not isinstance(data, dict):
+        raise _damaged(Path(file), ValueError("not a JSON object"), where, fix)
+    return data
+
+
+def _damaged(file: Path, err: Exception, where: str, fix: str) -> UserError:
+    reason = (str(err).splitlines() or [type(err).__name__])[0][:160]
+    return UserError(f"{file} is damaged or unreadable ({reason})", where, fix)
 
 
 # ----------------------------------------------------------------------------- checkpoints

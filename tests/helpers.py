@@ -5,6 +5,11 @@ Test modules import from here, never from one another.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -66,3 +71,26 @@ def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: in
         (run_dir / RECIPE).write_text(dump_recipe(validate_recipe(
             {"model": {"name": str(model_dir)}, "output": {"dir": str(run_dir)}})))
     return run_dir
+
+
+@contextmanager
+def read_only_dir(path: Path):
+    """``path`` (created) made unwritable for this process, root included: mode 0555, and ``chattr +i`` where root
+    and the filesystem allow it. Skips the test where neither takes."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o555)
+    immutable = (os.geteuid() == 0 and shutil.which("chattr") is not None
+                 and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0)
+    try:
+        try:
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError:
+            yield path
+        else:
+            pytest.skip("cannot make a directory read-only here")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        os.chmod(path, 0o755)

@@ -1,0 +1,101 @@
+"""Where results go: output paths checked before the long work, and results written whole or not at all.
+
+eval, inspect and compare spend minutes computing before they write ``--json``, ``--plot`` or ``--out``; a
+path that cannot be written must be refused first, not after every model was evaluated.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from delft.errors import UserError
+from delft.rundir import write_atomic
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists (where a missing directory would be created)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(directory: Path, flag: str) -> None:
+    """``directory`` exists and takes a new file, or can be created: probed by creating (and removing) one."""
+    where = nearest_existing(directory)
+    if not where.is_dir():
+        raise UserError(f"{where} is a file, so {directory} cannot be a directory", flag,
+                        "Choose a path whose parent is a directory.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".delft-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot write in {where} ({e.strerror or e})", flag,
+                        "Choose a directory you can write to, or fix its permissions.") from None
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """A file result (``--json``, ``--plot``): not a directory or a device, in a directory delft can write."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory", flag, f"Give a file name, e.g. {path / 'result'}{path.suffix}.")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path} exists and is not a regular file", flag, "Give the path of a new or plain file.")
+    check_writable_dir(path.parent, flag)
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """A directory of results (compare's ``--out``): not an existing file, writable or creatable."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} exists and is a file, not a directory", flag, "Choose a directory for the results.")
+    check_writable_dir(path, flag)
+
+
+def write_result(path: Path, data: str | bytes, flag: str) -> None:
+    """Write one result file atomically (parents created); disk full or no permission is one paragraph."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)
+    except OSError as e:
+        raise UserError(f"could not write {path} ({e.strerror or e})", flag,
+                        "Free some space or choose another path, then run the command again (the results "
+                        "printed above were not saved).") from None
+
+
+def check_output_files(paths: dict[str, Path | None]) -> None:
+    """Every given result file of one command (flag -> path), and no two of them the same file."""
+    given = {flag: Path(p) for flag, p in paths.items() if p is not None}
+    for flag, path in given.items():
+        check_output_file(path, flag)
+    seen: dict[str, str] = {}
+    for flag, path in given.items():
+        key = os.path.abspath(path)
+        if key in seen:
+            raise UserError(f"{seen[key]} and {flag} name the same file {path}", flag, "Give each its own file.")
+        seen[key] = flag
+
+
+def write_figure(fig, path: Path, flag: str, **savefig) -> None:
+    """A matplotlib figure as a PNG, written like every other result (atomically, errors as one paragraph)."""
+    import io
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", **savefig)
+    write_result(path, png.getvalue(), flag)
+
+
+def follow_umask(directory: Path) -> None:
+    """Give a finished directory (made by tempfile.mkdtemp, hence 0700) and its files the modes the user's umask
+    gives new files (e.g. 0755 / 0644), as if they had been created in place."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory = Path(directory)
+    os.chmod(directory, 0o777 & ~mask)
+    for p in directory.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
