@@ -160,6 +160,13 @@ class NumberVocab:
         return CharTable.build(self.texts, device)
 
 
+def number_vocab(vocab) -> Optional[NumberVocab]:
+    """The NumberVocab of a loss: a NumberVocab as it is, a DigitVocab as its ten single-digit number tokens."""
+    if vocab is None or isinstance(vocab, NumberVocab):
+        return vocab
+    return NumberVocab(tuple(vocab.digit_ids), tuple(DIGITS), vocab.dot_id)
+
+
 class CharLogits(NamedTuple):
     logits: "Tensor"  # [C, 10] digit logits, one row per digit character of the gold tokens
     pos: "Tensor"     # [C] long: the position (row of the [P, T] input) the character belongs to
@@ -210,6 +217,11 @@ class CharTable:
     def max_len(self) -> int:
         return len(self.cells)
 
+    @property
+    def complete(self) -> bool:
+        """Every prefix group offers all ten digits (Llama-3.x, single-digit tokenizers): no -inf digit logits."""
+        return all(bool(f.all()) for f in self.filled)
+
 
 def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
     """Per-character digit logits from number-token logits.
@@ -241,6 +253,19 @@ def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
         lse = torch.where(table.filled[j][g], torch.logsumexp(vals, dim=-1), float("-inf"))
         out = out.index_copy(0, sel, lse)
     return CharLogits(out, pos, char, table.digit[tok, char])
+
+
+def offered(logits: "Tensor") -> "Tensor":
+    """Digit logits with each -inf (a digit no token offers) replaced by a finite value far below the row.
+
+    Its probability stays exactly 0, and DEL's p * BCE there is 0 * 0 instead of NaN (BCE of -inf against
+    target 0 is -inf * 0); no gradient reaches the replaced entries.
+    """
+    import torch
+
+    finite = torch.isfinite(logits)
+    floor = logits.detach().masked_fill(~finite, float("inf")).amin(-1, keepdim=True) - 1e4
+    return torch.where(finite, logits, floor)
 
 
 class NumberTargets(NamedTuple):
