@@ -83,6 +83,27 @@ def _refuse_glued(tokenizer, glued: dict[int, str], purpose: str) -> None:
             "a token of digits only", fix=_FIX)
 
 
+class _RawTokenizer:
+    """The calls ``NumberVocab.from_tokenizer`` makes, answered by a tokenizers.Tokenizer (what a transformers
+    fast tokenizer does underneath, without importing transformers)."""
+
+    def __init__(self, core, name: str):
+        self.core, self.name_or_path = core, name
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.core.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, clean_up_tokenization_spaces: bool = False) -> str:
+        return self.core.decode(list(ids), skip_special_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.core.get_vocab()
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        return self.core.get_added_tokens_decoder()
+
+
 def _dot_id(tokenizer) -> Optional[int]:
     dot = _emitted(tokenizer, ".")
     return dot[0] if len(dot) == 1 and tokenizer.decode(dot, clean_up_tokenization_spaces=False) == "." else None
@@ -117,6 +138,13 @@ class NumberVocab:
             raise UserError(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
         order = sorted(numbers.items(), key=lambda kv: (len(kv[1]), kv[1], kv[0]))
         return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _dot_id(tokenizer))
+
+    @classmethod
+    def from_tokenizer_file(cls, path, purpose: str = "a digit loss") -> "NumberVocab":
+        """``from_tokenizer`` on a tokenizer.json read with the tokenizers library alone (no torch: --plan)."""
+        from tokenizers import Tokenizer
+
+        return cls.from_tokenizer(_RawTokenizer(Tokenizer.from_file(str(path)), str(path)), purpose)
 
     @property
     def max_len(self) -> int:

@@ -254,3 +254,20 @@ def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
     places = evaluated.metrics["per_place"]
     assert set(places) == {"ten-thousands", "thousands", "hundreds", "tens", "units", "tenths", "hundredths"}
     assert all(v["n"] == 4 for v in places.values())
+
+
+def test_plan_counts_the_number_token_rows(tmp_path, llama3_model_dir):
+    from delft.plan import plan_memory, run_plan, with_number_tokens
+    from delft.recipe import load_recipe
+    from helpers import recipe_file
+
+    recipe = load_recipe(recipe_file(tmp_path, llama3_model_dir, data={"max_length": 256}))
+    config = json.loads((llama3_model_dir / "config.json").read_text())
+    counted, note = with_number_tokens(config, str(llama3_model_dir / "config.json"))
+    assert note == "" and counted["delft_number_tokens"] == 1110
+    console = Console(record=True, width=200)
+    result = run_plan(recipe, None, console)
+    planned, ten = result["components"], plan_memory(config, recipe, result["fused"])
+    H, rows = config["hidden_size"], 4 * 256
+    assert planned["loss"] - ten["loss"] == 1100 * H * (2 + 4) + rows * 1100 * 12  # dtype auto: bf16 on a GPU
+    assert "1,110-row digit term" in console.export_text()
