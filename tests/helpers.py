@@ -66,3 +66,16 @@ def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: in
         (run_dir / RECIPE).write_text(dump_recipe(validate_recipe(
             {"model": {"name": str(model_dir)}, "output": {"dir": str(run_dir)}})))
     return run_dir
+
+
+def del_step(vocab, hidden, head, labels, fused: bool):
+    """One DEL micro-batch through delft.losses.Loss on the fused (Liger) or chunked CE path, backward taken:
+    (its Sums, the gradients of ``hidden`` and of ``head.weight``); checks the path that ran."""
+    from delft.losses import Loss
+
+    hidden.grad, head.weight.grad = None, None
+    loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)
+    out = loss.sums(hidden, head, labels)
+    loss.combine(out, out.counts).backward()
+    assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
+    return out, hidden.grad.clone(), head.weight.grad.clone()

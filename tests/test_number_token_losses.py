@@ -145,16 +145,10 @@ def test_fused_ce_beside_the_per_character_term():
     ids, labels = batch(tok, TEXTS[:4])
     hidden = torch.randn(*labels.shape, 24, requires_grad=True)
 
-    def run(fused):
-        hidden.grad, head.weight.grad = None, None
-        loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)
-        out = loss.sums(hidden, head, labels)
-        loss.combine(out, out.counts).backward()
-        assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
-        return out, hidden.grad.clone(), head.weight.grad.clone()
+    from helpers import del_step
 
-    ref, ref_h, ref_w = run(False)
-    out, g_h, g_w = run(True)
+    ref, ref_h, ref_w = del_step(vocab, hidden, head, labels, fused=False)
+    out, g_h, g_w = del_step(vocab, hidden, head, labels, fused=True)
     assert out.counts.digits == ref.counts.digits == count_digit_chars(labels, vocab) > 10
     torch.testing.assert_close(out.term, ref.term)
     torch.testing.assert_close(out.ce, ref.ce, rtol=1e-5, atol=1e-5)
