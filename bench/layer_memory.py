@@ -89,7 +89,6 @@ def build(shape: str, liger: bool):
 
 
 def measure(shape: str, liger: bool, tokens: int) -> dict:
-    import torch
 
     from transformers.models.qwen2 import modeling_qwen2
 

@@ -152,7 +152,6 @@ def cpu_recipe(loss: str, packing: bool = False):
 
 def cpu_items():
     """delft's tokenized examples (plain template, completion-only labels) and the pad id."""
-    from rich.console import Console
 
     from delft.train import setup
 

@@ -1,5 +1,9 @@
 """``delft inspect``: the model's distribution over the ten digits at every digit of one answer.
 
+Rows are digit *characters*: on tokenizers with multi-digit number tokens (Llama-3's "123") each character
+gets a row, scored as the losses score it (delft.numtokens.char_logits: the number tokens that agree with the
+answer's token before that character), and the table names the token it belongs to.
+
 Three separate pieces, so each can be tested on its own:
 
 * :func:`compute_records` -- pure computation: (model, tokenizer, prompt text, answer token ids) -> one
@@ -33,6 +37,7 @@ from delft.data import prompt_ids
 from delft.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
 from delft.errors import UserError
 from delft.outputs import check_output_files, write_figure, write_result
+from delft.numtokens import NumberVocab, number_vocab
 
 PURPOSE = "per-digit inspection"
 # "391", "-3.5", "1,234", "+0.25", ".5": an optional sign, digits (comma groups of 3 allowed), a decimal part.
@@ -40,7 +45,10 @@ TARGET_RE = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)", r
 LEGEND = ("cells: P(digit | the next token is a digit) in %, [n] = the answer's digit, '·' < 0.5 %; "
           "entropy: over the ten digits, in bits; P(digits): full-vocabulary probability that the next token "
           "is a digit at all; p(token): full-vocabulary probability of the answer's token; argmax: where the "
-          "model would have gone instead (its top digit, and its top token if that is not a digit).")
+          "model would have gone instead (its top digit, and its top token if that is not a digit). With number "
+          "tokens of several digits a row is one character of the token shown (1[2]3: the 2), its cells are "
+          "P(digit | the token's characters before it), P(digits) the probability of a number token that "
+          "agrees with them.")
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -69,7 +77,8 @@ class PositionRecord:
     top_token_id: int  # full-vocabulary argmax
     top_token: str  # ... decoded
     top_token_prob: float
-    top_digit: Optional[int]  # the argmax's digit when the argmax is a digit token, else None
+    top_digit: Optional[int]  # the argmax's digit here when the argmax is a number token agreeing before it
+    char_index: int = 0  # which character of the token this row is (number tokens of several digits)
 
 
 @dataclass
@@ -107,14 +116,31 @@ def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) 
     return out
 
 
-def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: DigitVocab):
-    """(kind, number, place) per position, places from delft.digits.run_places.
+def char_rows(token_ids: Sequence[int], texts: Sequence[str],
+              vocab: DigitVocab | NumberVocab) -> tuple[list[Optional[str]], list[str], list[int]]:
+    """(char, text, token index) per row: a number token gives one row per digit, any other token one row
+    (its char '.' for the dot, else None); ``texts`` are the tokens decoded."""
+    numbers = number_vocab(vocab)
+    chars: list[Optional[str]] = []
+    row_texts: list[str] = []
+    owners: list[int] = []
+    for i, t in enumerate(token_ids):
+        digits = numbers.text_of(int(t))
+        chars.extend(digits or [None])
+        row_texts.extend(digits or [texts[i]])
+        owners.extend([i] * len(digits or [None]))
+    return chars, row_texts, owners
+
+
+def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: DigitVocab | NumberVocab):
+    """(kind, number, place) per row (``char_rows``: per token, or per digit of a number token), places
+    from delft.digits.run_places.
 
     Thousands separators are dropped before the run rules apply, so "1,234" is one number whose '1' is the
     thousands digit. A '.' is shown (kind "point") when it stands inside a number with a digit after it; a
     trailing sentence dot ("391.") or a run of dots is not.
     """
-    chars = [vocab.char_of(int(t)) for t in token_ids]
+    chars, texts, _ = char_rows(token_ids, texts, vocab)
     keep = [i for i in range(len(chars)) if i not in _thousands_separators(chars, texts)]
     kept_chars = [chars[i] for i in keep]
     kept_places = run_places(kept_chars)
@@ -161,15 +187,16 @@ def _digit(char: Optional[str]) -> Optional[int]:
 
 
 def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int],
-                    vocab: Optional[DigitVocab] = None) -> list[PositionRecord]:
-    """One record per answer token, from one teacher-forced pass over prompt + answer.
+                    vocab: Optional[DigitVocab | NumberVocab] = None) -> list[PositionRecord]:
+    """One record per answer token (per digit of a multi-digit number token), from one teacher-forced pass
+    over prompt + answer.
 
     The input is the prompt and the answer without its last token; the logits of the last ``len(answer)``
     positions predict the answer's tokens, and only those rows are computed beyond the hidden states.
     """
     import torch
 
-    vocab = vocab or DigitVocab.from_tokenizer(tokenizer, PURPOSE)
+    numbers = number_vocab(vocab) or NumberVocab.from_tokenizer(tokenizer, PURPOSE)
     answer_ids = [int(t) for t in answer_ids]
     if not answer_ids:
         return []
@@ -178,52 +205,74 @@ def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int
         raise UserError("the prompt is empty after tokenization", "prompt", "Give a non-empty prompt.")
     device = next(model.parameters()).device
     input_ids = torch.tensor([p_ids + answer_ids[:-1]], dtype=torch.long, device=device)
-    logits = _answer_logits(model, input_ids, len(answer_ids))
-    logp = torch.log_softmax(logits, dim=-1)  # [A, V]
-    del logits
-    digit_idx = torch.tensor(vocab.digit_ids, device=logp.device)
-    d_logp = logp[:, digit_idx]  # [A, 10]
-    cond = torch.softmax(d_logp, dim=-1)
-    entropy = -(cond * torch.log2(cond.clamp_min(1e-30))).sum(-1)
-    mass = torch.logsumexp(d_logp, dim=-1).exp()
+    logp = torch.log_softmax(_answer_logits(model, input_ids, len(answer_ids)), dim=-1)  # [A, V]
+    stats = _char_stats(logp, answer_ids, numbers)
     ans = torch.tensor(answer_ids, device=logp.device)
-    tok_p = logp.gather(1, ans[:, None])[:, 0].exp()
+    tok_l = logp.gather(1, ans[:, None])[:, 0].exp().cpu().tolist()
     top_p, top_id = logp.max(dim=-1)
-    top_p = top_p.exp()
+    top_id_l, top_p_l = top_id.cpu().tolist(), top_p.exp().cpu().tolist()
 
     texts = [tokenizer.decode([t]) for t in answer_ids]
     pieces = tokenizer.convert_ids_to_tokens(answer_ids)
-    kind, number, place = label_positions(answer_ids, texts, vocab)
-    cond_l, d_logp_l, ent_l = cond.cpu().tolist(), d_logp.cpu().tolist(), entropy.cpu().tolist()
-    mass_l, tok_l = mass.cpu().tolist(), tok_p.cpu().tolist()
-    top_id_l, top_p_l = top_id.cpu().tolist(), top_p.cpu().tolist()
+    chars, _, owners = char_rows(answer_ids, texts, numbers)
+    kind, number, place = label_positions(answer_ids, texts, numbers)
     records = []
-    for i, t in enumerate(answer_ids):
-        char = vocab.char_of(t)
-        probs = cond_l[i]
+    for k, (i, char) in enumerate(zip(owners, chars)):
+        j = k - owners.index(i)  # the character's index inside its token
+        probs = stats["cond"][k]
         records.append(PositionRecord(
-            index=i, token_id=t, token=str(pieces[i]), text=texts[i], char=char, kind=kind[i], number=number[i],
-            place=place[i], place_name=place_name(place[i]) if place[i] is not None else None,
-            probs=probs, digit_logprobs=d_logp_l[i], entropy=ent_l[i], digit_mass=mass_l[i], token_prob=tok_l[i],
-            digit=_digit(char),
+            index=i, token_id=answer_ids[i], token=str(pieces[i]), text=texts[i], char=char, kind=kind[k],
+            number=number[k], place=place[k], place_name=place_name(place[k]) if place[k] is not None else None,
+            probs=probs, digit_logprobs=stats["logp"][k], entropy=stats["entropy"][k], digit_mass=stats["mass"][k],
+            token_prob=tok_l[i], digit=_digit(char),
             argmax_digit=max(range(10), key=lambda d: probs[d]),
             top_token_id=int(top_id_l[i]), top_token=tokenizer.decode([int(top_id_l[i])]),
-            top_token_prob=top_p_l[i], top_digit=_digit(vocab.char_of(int(top_id_l[i])))))
+            top_token_prob=top_p_l[i],
+            top_digit=_top_digit(numbers, int(top_id_l[i]), numbers.text_of(answer_ids[i]), j),
+            char_index=j))
     return records
+
+
+def _char_stats(logp, answer_ids: Sequence[int], numbers: NumberVocab) -> dict[str, list]:
+    """Per row (``char_rows``): full-vocabulary log-probabilities of the digits (the number tokens agreeing
+    with the row's token before it, by digit: delft.numtokens.char_logits on log-probabilities), their
+    conditional distribution, its entropy (bits) and their total probability. A non-number token's row is
+    the first character's (for single-digit tokenizers: the ten digit tokens)."""
+    import torch
+
+    from delft.numtokens import char_logits
+
+    cols = torch.tensor([numbers.column_of(t) or 0 for t in answer_ids], device=logp.device)
+    ids = torch.tensor(numbers.ids, device=logp.device)
+    d_logp = char_logits(logp[:, ids], cols, numbers.char_table(logp.device)).logits  # [rows, 10]
+    cond = torch.softmax(d_logp, dim=-1)
+    entropy = -(cond * torch.log2(cond.clamp_min(1e-30))).sum(-1)
+    mass = torch.logsumexp(d_logp, dim=-1).exp()
+    return {"logp": d_logp.cpu().tolist(), "cond": cond.cpu().tolist(), "entropy": entropy.cpu().tolist(),
+            "mass": mass.cpu().tolist()}
+
+
+def _top_digit(numbers: NumberVocab, top_id: int, answer_text: Optional[str], j: int) -> Optional[int]:
+    """The argmax token's digit at character j, when it is a number token agreeing with the answer's before j."""
+    top = numbers.text_of(top_id)
+    if top is None or top == "." or len(top) <= j or (j and (answer_text or "")[:j] != top[:j]):
+        return None
+    return int(top[j])
 
 
 def numbers_of(records: Sequence[PositionRecord]) -> list[Number]:
     """The answer's numbers: their text (sign and separators included) and their digit/point rows."""
     out: list[Number] = []
     by_number: dict[int, list[PositionRecord]] = {}
+    token_text = {r.index: r.text for r in records}  # several rows share a multi-digit token
     for r in records:
         if r.number is not None:
             by_number.setdefault(r.number, []).append(r)
     for n in sorted(by_number):
         rows = by_number[n]
         first, last = rows[0].index, rows[-1].index
-        text = "".join(records[i].text for i in range(first, last + 1)).strip()
-        if first > 0 and records[first - 1].text.endswith("-"):
+        text = "".join(token_text[i] for i in range(first, last + 1)).strip()
+        if first > 0 and token_text[first - 1].endswith("-"):
             text = "-" + text
         out.append(Number(n, text, rows))
     return out
@@ -339,6 +388,21 @@ def fmt_argmax(r: PositionRecord) -> str:
     return ", ".join(parts)
 
 
+def fmt_token(r: PositionRecord) -> str:
+    """The token a row belongs to, its character bracketed where the token has several: '1[2]3'."""
+    text = r.text.strip()
+    if r.kind != "digit" or len(text) < 2:
+        return text
+    j = r.char_index
+    return f"{text[:j]}[{text[j]}]{text[j + 1:]}"
+
+
+def has_multi_digit_tokens(result: "InspectResult") -> bool:
+    """Whether any shown row is one character of a token of several digits (the table gets a token column)."""
+    return any(r.char_index or len(r.text.strip()) > 1 for m in result.models for n in m.numbers for r in n.rows
+               if r.kind == "digit")
+
+
 def _cell(p: float, marked: bool) -> Text:
     text = fmt_prob(p, marked)
     if round(100 * p) == 0 and not marked:
@@ -348,8 +412,10 @@ def _cell(p: float, marked: bool) -> Text:
     return Text(text, style=Style(color=fg, bgcolor=Color.from_rgb(r, g, b), bold=marked, underline=marked))
 
 
-def _row(r: PositionRecord, label: str, model: Optional[str]) -> list:
+def _row(r: PositionRecord, label: str, model: Optional[str], token: bool = False) -> list:
     cells: list = [Text(label, style="italic dim" if r.kind == "point" else "")]
+    if token:
+        cells.append(fmt_token(r))
     if model is not None:
         cells.append(model)
     cells += [_cell(p, r.digit == d) for d, p in enumerate(r.probs)]
@@ -370,6 +436,7 @@ def render_tables(result: InspectResult, compact: bool = False) -> list[Table]:
     model and argmax columns wrap, for narrow consoles; the digit cells are never cut.
     """
     compare = len(result.models) > 1
+    token = has_multi_digit_tokens(result)
     first = result.models[0].numbers if result.models else []
     tables = []
     for k, num in enumerate(first):
@@ -379,6 +446,8 @@ def render_tables(result: InspectResult, compact: bool = False) -> list[Table]:
         per_model = [m.numbers[k].rows for m in result.models]
         labels = ["point" if r.kind == "point" else (r.place_name or "") for r in num.rows]
         table.add_column("place", no_wrap=True, min_width=max(map(len, labels)))
+        if token:
+            table.add_column("token", no_wrap=True)
         if compare:
             table.add_column("model", no_wrap=True, overflow="ellipsis",
                              min_width=min(8, max(len(m.name) for m in result.models)))
@@ -392,7 +461,7 @@ def render_tables(result: InspectResult, compact: bool = False) -> list[Table]:
             for mi, m in enumerate(result.models):
                 r = per_model[mi][j]
                 last = mi == len(result.models) - 1
-                table.add_row(*_row(r, label if mi == 0 else "", m.name if compare else None),
+                table.add_row(*_row(r, label if mi == 0 else "", m.name if compare else None, token),
                               end_section=compare and last and j < len(num.rows) - 1)
         tables.append(table)
     return tables
@@ -434,7 +503,7 @@ def write_plot(result: InspectResult, path: Path) -> None:
     views = [(m.name, [r for n in m.numbers for r in n.rows if r.kind == "digit"]) for m in result.models]
     n_rows = max(1, len(views[0][1]))
     multi = len(result.models[0].numbers) > 1
-    labels = [(f"#{r.number + 1} " if multi else "") + f"{r.place_name} ({r.char})" for r in views[0][1]]
+    labels = [(f"#{r.number + 1} " if multi else "") + f"{r.place_name} ({fmt_token(r)})" for r in views[0][1]]
     fig = Figure(figsize=(1.2 + 4.2 * len(views), 1.4 + 0.38 * n_rows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(views), squeeze=False)[0]
@@ -524,7 +593,7 @@ def _first_answer(lm, tok, vocab, spec: _Spec, prompt: str, prompt_text: str, ta
     ids = generation.answer_ids
     source = f"greedy answer of {spec.name}" + (", teacher-forced for every model" if n_models > 1 else "")
     result = InspectResult(prompt, generation.answer, "greedy", source, None)
-    if len(ids) >= max_new_tokens and vocab.char_of(ids[-1]) is not None:
+    if len(ids) >= max_new_tokens and vocab.text_of(ids[-1]) is not None:
         result.notes.append(f"the answer was cut by --max-new-tokens {max_new_tokens} inside a number, so the "
                             "places of its last number may be off; raise it")
     return result, ids
@@ -539,7 +608,7 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
 
     lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
     try:
-        vocab = DigitVocab.from_tokenizer(tok, PURPOSE)
+        vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
         chat = use_chat_template(tok, cfg.data)
         prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
         own = None

@@ -1,8 +1,9 @@
 """Digit-aware losses: DEL, NTL (WAS/MSE) and DIST2, plus a memory-lean CE, behind one training loss object.
 
 Formulas follow docs/losses.md. Shapes: logits[:, t] scores labels[:, t] (the caller shifts, like ntloss);
-IGNORE (-100) labels are ignored. All digit terms are computed in fp32 (fp64 inputs stay fp64), from the ten
-digit logit columns only.
+IGNORE (-100) labels are ignored. All digit terms are computed in fp32 (fp64 inputs stay fp64), from the
+logit columns of the number tokens only: the ten digits, or on tokenizers with multi-digit number tokens
+(Llama-3: 1,110 of one to three digits) per digit *character* via delft.numtokens.char_logits.
 
 ``Loss`` is built once from the recipe (type, lambda, options, chunk size, CE path). Over one optimizer batch,
     loss = CE_sum / N_labels + lambda * term_sum / N_digits
@@ -26,6 +27,8 @@ from delft.data import IGNORE
 from delft.digits import DigitVocab, place_weight
 from delft.errors import UserError
 from delft.loss_types import CE, CHUNKED_CE, FUSED_CE, LOSS_TYPES, LossType, fused_applies
+from delft.numtokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets, number_vocab, \
+    offered
 from delft.triton_cpu import interpreter_on, patch_interpreter
 
 
@@ -259,10 +262,11 @@ class Loss:
     ``type`` names a delft.loss_types.LOSS_TYPES entry; ``params`` are its options (dist2: tau). ``fused``
     selects Liger's fused linear CE (see ``resolve_fused``) where the output layer is a plain Linear and
     gradients are being taken; otherwise the output layer runs in checkpointed chunks of ``chunk_size`` rows.
-    ``ran`` collects the CE paths that training micro-batches actually took.
+    ``ran`` collects the CE paths that training micro-batches actually took. ``vocab`` is a DigitVocab or a
+    NumberVocab (delft.numtokens); the digit term is per digit character either way (``numbers``).
     """
 
-    def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab] = None, *,
+    def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab | NumberVocab] = None, *,
                  chunk_size: int = 1024, fused: bool = False, **params):
         if type not in LOSS_TYPES:
             raise ValueError(f"unknown loss type {type!r}")
@@ -271,23 +275,27 @@ class Loss:
         if unknown:
             raise ValueError(f"loss type {type!r} takes no {', '.join(sorted(unknown))}")
         if self.kind.has_term and vocab is None:
-            raise ValueError(f"loss type {type!r} needs a DigitVocab")
+            raise ValueError(f"loss type {type!r} needs a DigitVocab or NumberVocab")
         self.type, self.weight, self.vocab, self.params = type, float(weight), vocab, params
+        self.numbers: Optional[NumberVocab] = number_vocab(vocab)
+        self._tables: dict[str, CharTable] = {}
         self.chunk_size, self.fused = chunk_size, fused
         self.ran: set[str] = set()
 
     @classmethod
-    def from_config(cls, loss_cfg, vocab: Optional[DigitVocab], chunk_size: int = 1024, fused: bool = False):
+    def from_config(cls, loss_cfg, vocab: Optional[DigitVocab | NumberVocab], chunk_size: int = 1024,
+                    fused: bool = False):
         """From a recipe.LossConfig; vocab may be None only for type 'ce'."""
         kind = LOSS_TYPES[loss_cfg.type]
         if kind.has_term and vocab is None:
-            raise UserError(f"loss.type {loss_cfg.type!r} needs single-token digits, but no digit vocabulary was "
-                            "found", fix="Use a tokenizer with single-digit tokens or set loss.type: ce.")
+            raise UserError(f"loss.type {loss_cfg.type!r} needs single-token digits or number tokens, but no digit "
+                            "vocabulary was found", fix="Use a tokenizer that writes numbers with digit-only tokens "
+                            "or set loss.type: ce.")
         return cls(loss_cfg.type, loss_cfg.weight or 0.0, vocab, chunk_size=chunk_size, fused=fused,
                    **{p: getattr(loss_cfg, p) for p in kind.params})
 
     @classmethod
-    def from_recipe(cls, recipe, vocab: Optional[DigitVocab], device) -> "Loss":
+    def from_recipe(cls, recipe, vocab: Optional[DigitVocab | NumberVocab], device) -> "Loss":
         """The recipe's loss on ``device`` (raises UserError for train.fused_loss 'on' where Liger cannot run)."""
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
                                resolve_fused(recipe.train.fused_loss, device))
@@ -309,13 +317,28 @@ class Loss:
         return "+".join(sorted(self.ran)) or None
 
     def count(self, labels: Tensor) -> Counts:
-        """Counts of ``labels`` (aligned with the hidden states): sum them over the optimizer batch."""
-        return Counts(*count_items(labels, self.vocab))
+        """Counts of ``labels`` (aligned with the hidden states): sum them over the optimizer batch.
+        The digit count is N_digits, the digit characters of the number-token labels."""
+        n_labels = int((labels != IGNORE).sum())
+        return Counts(n_labels, count_digit_chars(labels, self.numbers) if self.numbers is not None else 0)
+
+    def _table(self, device) -> CharTable:
+        key = str(device)
+        if key not in self._tables:
+            self._tables[key] = self.numbers.char_table(device)
+        return self._tables[key]
+
+    def digit_chars(self, z: Tensor, gold: Tensor) -> tuple[Tensor, Tensor]:
+        """(digit logits [C, 10], gold digits [C]) per digit character, from number-token logits z [P, T].
+        On single-digit tokenizers exactly z and the gold digits."""
+        table = self._table(z.device)
+        chars = char_logits(z, gold, table)
+        return (chars.logits if table.complete else offered(chars.logits)), chars.digit
 
     def sums(self, hidden: Tensor, lm_head: nn.Module, labels: Tensor) -> Sums:
         """One micro-batch's CE and digit-term sums; ``labels`` aligned with ``hidden`` [B, T, H].
 
-        Only labelled rows go through the output layer; the digit term uses the ten digit rows only. Without
+        Only labelled rows go through the output layer; the digit term uses the number-token rows only. Without
         gradients (validation) the chunked path runs: Liger computes its gradient inside the forward pass.
         """
         if hidden.shape[:-1] != labels.shape:
@@ -332,10 +355,10 @@ class Loss:
             self.ran.add(path)
         if not self.has_term:
             return Sums(ce_sum, hidden.new_zeros((), dtype=torch.float32), Counts(int(t.numel()), 0))
-        dt = digit_targets(labels, self.vocab)
-        z = digit_logits(hidden[dt.mask], lm_head, self.vocab.digit_ids)
-        term_sum = self.term(z, dt.targets, dt.weights).sum()  # empty sum = 0, still in the graph
-        return Sums(ce_sum, term_sum, Counts(int(t.numel()), int(dt.targets.numel())))
+        nt = number_targets(labels, self.numbers)
+        z, y = self.digit_chars(digit_logits(hidden[nt.mask], lm_head, self.numbers.ids), nt.gold)
+        term_sum = self.term(z, y, nt.weights).sum()  # empty sum = 0, still in the graph
+        return Sums(ce_sum, term_sum, Counts(int(t.numel()), int(y.numel())))
 
     def means(self, sums: Sums, counts: Counts) -> dict:
         """{"ce", "term", "loss"} of an optimizer batch whose counts are ``counts``: CE per label, term per digit
@@ -355,21 +378,21 @@ class Loss:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: DigitVocab) -> Tensor:
-    """[B, T, V] or already-gathered [B, T, 10] -> [N, 10] in fp32; only ten columns are ever upcast."""
+def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: NumberVocab) -> Tensor:
+    """[B, T, V] or already-gathered [B, T, n] (n number tokens) -> [N, n] in fp32; only n columns are upcast."""
     if logits.shape[:-1] != mask.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(mask.shape)} are not aligned "
                          "(logits[:, t] must score labels[:, t]; shift before calling)")
-    if logits.shape[-1] != 10:
-        ids = torch.tensor(vocab.digit_ids, device=logits.device, dtype=torch.long)
+    if logits.shape[-1] != len(vocab.ids):
+        ids = torch.tensor(vocab.ids, device=logits.device, dtype=torch.long)
         logits = logits.index_select(-1, ids)
     return logits[mask].to(_compute_dtype(logits.dtype))
 
 
 def _term_sum(logits: Tensor, labels: Tensor, loss: Loss) -> tuple[Tensor, int]:
-    dt = digit_targets(labels, loss.vocab)
-    z = _gather_digit_columns(logits, dt.mask, loss.vocab)
-    return loss.term(z, dt.targets, dt.weights).sum(), int(dt.targets.numel())
+    nt = number_targets(labels, loss.numbers)
+    z, y = loss.digit_chars(_gather_digit_columns(logits, nt.mask, loss.numbers), nt.gold)
+    return loss.term(z, y, nt.weights).sum(), int(y.numel())
 
 
 def term_mean(logits: Tensor, labels: Tensor, loss: Loss) -> Tensor:

@@ -83,6 +83,27 @@ def _refuse_glued(tokenizer, glued: dict[int, str], purpose: str) -> None:
             "a token of digits only", fix=_FIX)
 
 
+class _RawTokenizer:
+    """The calls ``NumberVocab.from_tokenizer`` makes, answered by a tokenizers.Tokenizer (what a transformers
+    fast tokenizer does underneath, without importing transformers)."""
+
+    def __init__(self, core, name: str):
+        self.core, self.name_or_path = core, name
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.core.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, clean_up_tokenization_spaces: bool = False) -> str:
+        return self.core.decode(list(ids), skip_special_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.core.get_vocab()
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        return self.core.get_added_tokens_decoder()
+
+
 def _dot_id(tokenizer) -> Optional[int]:
     dot = _emitted(tokenizer, ".")
     return dot[0] if len(dot) == 1 and tokenizer.decode(dot, clean_up_tokenization_spaces=False) == "." else None
@@ -117,6 +138,13 @@ class NumberVocab:
             raise UserError(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
         order = sorted(numbers.items(), key=lambda kv: (len(kv[1]), kv[1], kv[0]))
         return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _dot_id(tokenizer))
+
+    @classmethod
+    def from_tokenizer_file(cls, path, purpose: str = "a digit loss") -> "NumberVocab":
+        """``from_tokenizer`` on a tokenizer.json read with the tokenizers library alone (no torch: --plan)."""
+        from tokenizers import Tokenizer
+
+        return cls.from_tokenizer(_RawTokenizer(Tokenizer.from_file(str(path)), str(path)), purpose)
 
     @property
     def max_len(self) -> int:
@@ -158,6 +186,13 @@ class NumberVocab:
 
     def char_table(self, device=None) -> "CharTable":
         return CharTable.build(self.texts, device)
+
+
+def number_vocab(vocab) -> Optional[NumberVocab]:
+    """The NumberVocab of a loss: a NumberVocab as it is, a DigitVocab as its ten single-digit number tokens."""
+    if vocab is None or isinstance(vocab, NumberVocab):
+        return vocab
+    return NumberVocab(tuple(vocab.digit_ids), tuple(DIGITS), vocab.dot_id)
 
 
 class CharLogits(NamedTuple):
@@ -210,6 +245,11 @@ class CharTable:
     def max_len(self) -> int:
         return len(self.cells)
 
+    @property
+    def complete(self) -> bool:
+        """Every prefix group offers all ten digits (Llama-3.x, single-digit tokenizers): no -inf digit logits."""
+        return all(bool(f.all()) for f in self.filled)
+
 
 def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
     """Per-character digit logits from number-token logits.
@@ -241,6 +281,19 @@ def char_logits(z: "Tensor", gold: "Tensor", table: CharTable) -> CharLogits:
         lse = torch.where(table.filled[j][g], torch.logsumexp(vals, dim=-1), float("-inf"))
         out = out.index_copy(0, sel, lse)
     return CharLogits(out, pos, char, table.digit[tok, char])
+
+
+def offered(logits: "Tensor") -> "Tensor":
+    """Digit logits with each -inf (a digit no token offers) replaced by a finite value far below the row.
+
+    Its probability stays exactly 0, and DEL's p * BCE there is 0 * 0 instead of NaN (BCE of -inf against
+    target 0 is -inf * 0); no gradient reaches the replaced entries.
+    """
+    import torch
+
+    finite = torch.isfinite(logits)
+    floor = logits.detach().masked_fill(~finite, float("inf")).amin(-1, keepdim=True) - 1e4
+    return torch.where(finite, logits, floor)
 
 
 class NumberTargets(NamedTuple):

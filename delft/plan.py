@@ -7,7 +7,9 @@ No weights are loaded and torch is not imported. The estimate follows what delft
   activations  with gradient checkpointing, every layer's input hidden state (batch x seq x hidden x 2 bytes)
   then the larger of two phases that never overlap:
     loss       one chunk of the output layer (chunk x vocab: bf16 logits, their fp32 copy, fp32 log-softmax) or
-               Liger's fused linear CE, plus the final hidden states and the digit rows
+               Liger's fused linear CE, plus the final hidden states and the digit term: the hidden rows at
+               number positions and the output rows of the number tokens (10 single digits; Llama-3: 1,110
+               number tokens of 1-3 digits, with [rows x 1,110] logits and their per-character gather)
     backward   one layer recomputed and back-propagated (attention via SDPA, no seq x seq matrix), plus the
                bf16 copy bitsandbytes dequantises a 4-bit weight into
 
@@ -84,6 +86,9 @@ LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 # ----------------------------------------------------------------------------- shapes
 
+# config key under which run_plan passes the tokenizer's number-token count (delft.numtokens); 10 when unknown
+NUMBER_TOKENS = "delft_number_tokens"
+
 
 def model_shape(config: dict) -> dict:
     """The numbers the estimate needs, from a config.json dict (nested text_config and GPT-style names too)."""
@@ -112,6 +117,7 @@ def model_shape(config: dict) -> dict:
     return dict(model_type=cfg.get("model_type", "?"), hidden=H, layers=L, heads=heads, kv_heads=kv,
                 head_dim=head_dim, intermediate=inter, vocab=V, experts=int(experts),
                 tied=bool(get("tie_word_embeddings", default=False)),
+                number_tokens=int(config.get(NUMBER_TOKENS, 10)),
                 qkv_bias=bool(get("attention_bias", default=cfg.get("model_type") == "qwen2")))
 
 
@@ -187,7 +193,10 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
 
     logit_d = 4 if upcast else d
     out_hidden = tokens * H * (d + 4) + n_lab * H * d  # final hidden (and the norm's fp32 input), labelled rows
-    digit_rows = n_lab * H * (d + 4)  # upper bound: digit rows gathered and upcast for the ten-row digit logits
+    # upper bound: hidden rows at number positions gathered and upcast, the number tokens' output rows (and
+    # their fp32 copy), their [rows x T] fp32 logits with the padded copy and per-character gather char_logits makes
+    T_num = s["number_tokens"]
+    digit_rows = n_lab * H * (d + 4) + T_num * H * (d + 4) + n_lab * T_num * 4 * 3
     if use_fused:
         rows = 2 ** math.ceil(math.log2(max(1, math.ceil(n_lab / math.ceil(V / H)))))
         loss = rows * V * (logit_d + 4) + n_lab * H * d + n_lab * 4
@@ -309,6 +318,23 @@ def _config(path: Path) -> dict:
     return read_json(path, "model.name", "Restore or download the model again.")
 
 
+def with_number_tokens(config: dict, source: str) -> tuple[dict, str]:
+    """(config with its tokenizer's number-token count under NUMBER_TOKENS, a note when that is a guess).
+
+    The count comes from the tokenizer.json beside config.json (delft.numtokens, without torch); 10 (single
+    digits) where there is none or where the tokenizer is refused (then `delft train` refuses it too)."""
+    from delft.numtokens import NumberVocab
+
+    path = Path(source).with_name("tokenizer.json") if Path(source).is_file() else None
+    if path is None or not path.is_file():
+        return config, "number tokens: no tokenizer.json beside the config, so single digits (10 rows) are assumed"
+    try:
+        count = len(NumberVocab.from_tokenizer_file(path).ids)
+    except UserError as e:
+        return config, f"number tokens: 10 rows assumed; {e.what}"
+    return {**config, NUMBER_TOKENS: count}, ""
+
+
 # ----------------------------------------------------------------------------- knobs
 
 
@@ -410,6 +436,7 @@ def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> lis
     nf4 = recipe.quantization.mode in ("auto", "nf4")
     d = _dtype_bytes(recipe.model.dtype)
     B, T = t.batch_size, recipe.data.max_length
+    digits = f"{s['number_tokens']:,}-row digit term"
     loss_name = (f"Liger fused linear CE ({'installed' if liger else 'train.fused_loss: on'})" if fused else
                  f"chunked CE, {min(t.loss_chunk_size, B * T)} rows x vocab {s['vocab']:,} per chunk")
     phase_loss = est["loss"] >= est["layer_backward"]
@@ -424,7 +451,7 @@ def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> lis
         ("activations", est["activations"],
          (f"each layer input: {B} x {T} x {s['hidden']} x {d} bytes" if t.gradient_checkpointing
           else "every layer keeps its activations (no checkpointing; rough)")),
-        ("loss" + ("" if phase_loss else " (not at the peak)"), est["loss"], loss_name + ", final hidden, digit rows"),
+        ("loss" + ("" if phase_loss else " (not at the peak)"), est["loss"], f"{loss_name}, final hidden, {digits}"),
         ("layer backward" + ("" if not phase_loss else " (not at the peak)"), est["layer_backward"],
          "one layer recomputed and back-propagated" + (" with Liger's layer kernels" if fused else "")
          + (" + dequantised weight" if nf4 else "")),
@@ -473,10 +500,13 @@ def _print_knobs(console, knobs: list[dict]) -> None:
 def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
     """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers."""
     config, source = read_model_config(recipe)
+    config, note = with_number_tokens(config, source)
     s = model_shape(config)
     fused, liger, warning = planned_fused(recipe)
     est = plan_memory(config, recipe, fused)
     _print_table(console, recipe, s, _component_rows(recipe, s, est, fused, liger), est, source)
+    if note:
+        console.print(f"[dim]{note}[/]", highlight=False)
     if warning:
         console.print(f"[yellow]{warning}; install liger-kernel or set train.fused_loss: auto.[/]", highlight=False)
     result = dict(components=est, config_source=source, fused=fused)

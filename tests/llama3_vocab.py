@@ -43,3 +43,14 @@ def load_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_file=str(path), **SPECIALS)
+
+
+def save_llama3_model(path: Path, tokenizer, hidden: int = 16, seed: int = 0) -> Path:
+    """A tiny random-init Llama (one layer) on the real Llama-3.2 vocabulary, saved with its tokenizer."""
+    from tiny import build_model
+
+    model = build_model(tokenizer, hidden=hidden, layers=1, seed=seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

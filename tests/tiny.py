@@ -12,10 +12,11 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
-def build_tokenizer(chunked_digits: bool = False, chat_template: bool = True):
+def build_tokenizer(chunked_digits: bool = False, chat_template: bool = True, glued_digits: bool = False):
     """A character-level fast tokenizer: every printable ASCII character is one token ('0'..'9' included).
 
-    ``chunked_digits=True`` adds merges so that numbers become multi-digit tokens (Llama-3 style).
+    ``chunked_digits=True`` adds merges so that numbers become multi-digit tokens (Llama-3 style);
+    ``glued_digits=True`` merges a space with the next digit (" 7"), as GPT-2 glues digits to other characters.
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -28,6 +29,10 @@ def build_tokenizer(chunked_digits: bool = False, chat_template: bool = True):
             for b in "0123456789":
                 vocab[a + b] = len(vocab)
                 merges.append((a, b))
+    if glued_digits:
+        for d in "0123456789":
+            vocab[" " + d] = len(vocab)
+            merges.append((" ", d))
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False))
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIALS)
@@ -54,7 +59,7 @@ def build_model(tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0):
 
 def save_tiny(path: Path, **kwargs) -> Path:
     """Write a tiny model + tokenizer directory that delft loads like any local model."""
-    tok = build_tokenizer(**{k: v for k, v in kwargs.items() if k in ("chunked_digits", "chat_template")})
+    tok = build_tokenizer(**{k: v for k, v in kwargs.items() if k in ("chunked_digits", "chat_template", "glued_digits")})
     model = build_model(tok, **{k: v for k, v in kwargs.items() if k in ("hidden", "layers", "seed")})
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
