@@ -67,6 +67,19 @@ def start(device_pref: str) -> None:
     import atexit
 
     atexit.register(stop)
+    _interrupt_once()
+
+
+def _interrupt_once() -> None:
+    """Ctrl-C reaches a worker twice (from the terminal, then forwarded by torchrun): the first raises
+    KeyboardInterrupt, so rank 0 saves a checkpoint; a repeat must not cut that save short."""
+    import signal
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def stop() -> None:
@@ -74,6 +87,11 @@ def stop() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def describe() -> str:
+    """' on N processes ' for the training line; '' for one process."""
+    return f"on {world_size()} processes " if world_size() > 1 else ""
 
 
 def rank_console(console):
