@@ -188,6 +188,7 @@ def recipe_check(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
+    world_size: int = typer.Option(1, "--world-size", min=1, help="Plan each GPU of a run on N processes."),
 ):
     """Validate a recipe and print it with every default resolved."""
     from rich.syntax import Syntax
@@ -200,7 +201,7 @@ def recipe_check(
     if plan:
         from delft.plan import run_plan
 
-        run_plan(cfg, gpu_memory=gpu_memory, console=console)
+        run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
 
 
 def _split_recipe(targets: list[str]) -> tuple[Optional[Path], list[str]]:

@@ -180,3 +180,31 @@ def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, tiny_mode
     last = checkpoints(tmp_path / "killed")[-1]
     state = torch.load(last / STATE_FILE, weights_only=False)
     assert state["step"] == int(last.name.split("-")[-1])
+
+
+def test_plan_per_gpu_adds_only_nccl_buffers_for_several_processes(tmp_path, tiny_model_dir):
+    from rich.console import Console
+
+    from delft.plan import NCCL_BUFFERS, run_plan
+    from delft.recipe import load_recipe
+
+    recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir))
+    console = Console(record=True, width=200)
+    one = run_plan(recipe, "8GiB", console)["components"]
+    two = run_plan(recipe, "8GiB", console, world_size=2)["components"]
+    assert two["total"] == one["total"] + NCCL_BUFFERS
+    assert {k: v for k, v in two.items() if k not in ("total", "nccl_buffers")} == \
+        {k: v for k, v in one.items() if k != "total"}
+    text = console.export_text()
+    assert "NCCL buffers" in text and "per GPU of 2 processes" in text
+
+
+def test_cli_plan_takes_a_world_size(tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from delft.cli import app
+
+    r = CliRunner().invoke(app, ["recipe", "check", str(recipe_file(tmp_path, tiny_model_dir)), "--plan",
+                                 "--world-size", "4"])
+    assert r.exit_code == 0, r.output
+    assert "per GPU of 4 processes" in r.output
