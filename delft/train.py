@@ -464,7 +464,8 @@ class Trainer:
 
         t, total = self.recipe.train, self.schedule.total_steps
         self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
-                           f"{dist.describe()}({self.schedule.micro_per_epoch} micro-batches per epoch), run directory {self.run_dir}")
+                           f"{dist.describe()}({self.schedule.micro_per_epoch} micro-batches per epoch), "
+                           f"run directory {self.run_dir}")
         if self.s.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.model.train()

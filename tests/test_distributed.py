@@ -20,9 +20,12 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def torchrun(recipe: Path, *args: str, nproc: int = 2, **popen) -> subprocess.Popen:
     """``python -m torch.distributed.run --nproc-per-node N -m delft train RECIPE``, as a user would start it."""
+    return start([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                  "-m", "delft", "train", str(recipe), *args], **popen)
+
+
+def start(cmd: list[str], **popen) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DELFT_DIST_TIMEOUT": "120"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "delft", "train", str(recipe), *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
@@ -157,8 +160,8 @@ def test_ctrl_c_on_the_launcher_then_resume_equals_uninterrupted(tmp_path, tiny_
     assert proc.returncode != 0, out[-3000:]
     assert checkpoints(tmp_path / "cut"), out[-3000:]
     finished(torchrun(straight))
-    out = finished(torchrun(cut))
-    assert "Resuming" in out
+    out = finished(start([sys.executable, "-m", "delft", "train", str(cut), "--nproc", "2"]))  # torchrun again
+    assert "Resuming" in out and "on 2 processes" in out
     assert_same_adapter(tmp_path / "straight", tmp_path / "cut")
 
 
