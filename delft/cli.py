@@ -73,13 +73,19 @@ def train(
     resume: Optional[bool] = typer.Option(
         None, "--resume/--no-resume", help="Continue from the run's last checkpoint (default: automatic if one exists)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing run directory."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes (one per GPU), via torchrun."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
+    from delft.distributed import launched, relaunch, strip_nproc, world_size
     from delft.recipe import load_recipe
     from delft.train import run_training
 
     cfg = load_recipe(recipe, set_)
+    if nproc > 1:
+        relaunch(nproc, strip_nproc(sys.argv[1:]))
     again = " ".join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
+    if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
+        again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"
     run_training(cfg, resume=resume, force=force, console=console, resume_command=again)
 
 
@@ -182,6 +188,7 @@ def recipe_check(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
+    world_size: int = typer.Option(1, "--world-size", min=1, help="Plan each GPU of a run on N processes."),
 ):
     """Validate a recipe and print it with every default resolved."""
     from rich.syntax import Syntax
@@ -194,7 +201,7 @@ def recipe_check(
     if plan:
         from delft.plan import run_plan
 
-        run_plan(cfg, gpu_memory=gpu_memory, console=console)
+        run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
 
 
 def _split_recipe(targets: list[str]) -> tuple[Optional[Path], list[str]]:

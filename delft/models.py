@@ -239,7 +239,7 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
-        kwargs["device_map"] = {"": device if device == "cpu" else 0}
+        kwargs["device_map"] = {"": device if device == "cpu" else torch.cuda.current_device()}  # this rank's GPU
     if ref.is_local:
         check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
     try:

@@ -48,6 +48,9 @@ LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
 LIGER_LAYER_FIT = 0.6
 CUDA_CONTEXT = int(0.5 * GiB)  # CUDA context + cuBLAS workspace: outside torch.cuda.max_memory_allocated
 ALLOCATOR_SLACK = 0.08  # caching-allocator fragmentation: reserved exceeds allocated by a few percent
+# NCCL's communicator buffers on each GPU of a data-parallel run: outside torch's allocator, and a rough figure
+# (they depend on the NCCL version, the number of channels and the topology).
+NCCL_BUFFERS = int(0.25 * GiB)
 
 # SmolLM2-135M-Instruct's shape, so the alias plans without fetching anything.
 SMOLLM2_CONFIG = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -497,14 +500,32 @@ def _print_knobs(console, knobs: list[dict]) -> None:
                           f"{k['saves'] / GiB:.2f} GiB{note}", highlight=False)
 
 
-def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
-    """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers."""
+def per_gpu(est: dict, world_size: int) -> dict:
+    """``plan_memory``'s numbers for each GPU of a ``world_size``-process data-parallel run (delft.distributed).
+
+    Each rank runs the one-process step on its own micro-batch of train.batch_size, so its peak is the same; only
+    NCCL's buffers come on top. The gradient all-reduce's flat fp32 copy of the LoRA gradients is made after the
+    backward, when the activations are gone, so it does not raise the peak.
+    """
+    if world_size <= 1:
+        return est
+    return {**est, "nccl_buffers": NCCL_BUFFERS, "total": est["total"] + NCCL_BUFFERS}
+
+
+def run_plan(recipe, gpu_memory: Optional[str], console, world_size: int = 1) -> dict:
+    """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers.
+
+    With ``world_size`` > 1 every figure is per GPU (``per_gpu``)."""
     config, source = read_model_config(recipe)
     config, note = with_number_tokens(config, source)
     s = model_shape(config)
     fused, liger, warning = planned_fused(recipe)
-    est = plan_memory(config, recipe, fused)
-    _print_table(console, recipe, s, _component_rows(recipe, s, est, fused, liger), est, source)
+    est = per_gpu(plan_memory(config, recipe, fused), world_size)
+    rows = _component_rows(recipe, s, est, fused, liger)
+    if world_size > 1:
+        rows.append(("NCCL buffers", est["nccl_buffers"], f"per GPU of {world_size} processes (rough); the rest "
+                     "is one process's step on its micro-batch"))
+    _print_table(console, recipe, s, rows, est, source)
     if note:
         console.print(f"[dim]{note}[/]", highlight=False)
     if warning:
@@ -521,6 +542,8 @@ def run_plan(recipe, gpu_memory: Optional[str], console) -> dict:
         return result
     console.print(f"[bold red]does not fit[/] in {budget / GiB:.2f} GiB: {est['total'] / GiB:.2f} GiB planned, "
                   f"{(est['total'] - budget) / GiB:.2f} GiB over.", highlight=False)
-    result["knobs"] = suggest_knobs(config, recipe, budget, fused, liger)
+    result["knobs"] = suggest_knobs(config, recipe, budget - est.get("nccl_buffers", 0), fused, liger)
+    for k in result["knobs"]:
+        k["total"] += est.get("nccl_buffers", 0)
     _print_knobs(console, result["knobs"])
     return result

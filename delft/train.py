@@ -22,7 +22,7 @@ from typing import Optional
 from rich.console import Console
 
 from delft.errors import UserError
-from delft import rundir
+from delft import distributed as dist, rundir
 from delft.recipe import Recipe, dump_recipe, load_recipe, recipe_differences
 from delft.rundir import latest_checkpoint, write_atomic
 
@@ -64,6 +64,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     if ckpt is not None and resume is not False:
         saved = load_recipe(run_dir / rundir.RECIPE)
         diff = recipe_differences(saved, recipe, RESUME_FREE_KEYS)
+        diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
         if diff:
             raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
                             "differ)", "output.dir",
@@ -101,10 +102,10 @@ class Schedule:
     warmup_steps: int
 
 
-def make_schedule(recipe: Recipe, n_train: int) -> Schedule:
+def make_schedule(recipe: Recipe, n_train: int, world_size: int = 1) -> Schedule:
     t = recipe.train
     micro = math.ceil(n_train / t.batch_size)
-    total = t.max_steps or max(1, math.ceil(t.epochs * micro / t.grad_accum))
+    total = t.max_steps or max(1, math.ceil(t.epochs * micro / (t.grad_accum * world_size)))
     return Schedule(micro, total, int(round(t.warmup_ratio * total)))
 
 
@@ -140,13 +141,14 @@ def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
     loss, CE and term (``Loss.means``), its real tokens and digit labels."""
     from delft.losses import Counts, Sums
 
-    counts = sum((loss.count(targets(b)) for b in batches), Counts(0, 0))
+    counts = dist.all_reduce_counts(sum((loss.count(targets(b)) for b in batches), Counts(0, 0)))
     total = Sums(0.0, 0.0, Counts(0, 0))
     for b in batches:
         sums = forward_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
         loss.combine(sums, counts).backward()
         total = total + sums.detach()
     tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
+    total, tokens = dist.global_sums(total, counts, tokens)  # all ranks' batches (one process: unchanged)
     return {**loss.means(total, counts), "tokens": tokens, "n_digits": counts.digits}
 
 
@@ -354,7 +356,7 @@ class Trainer:
         t = s.recipe.train
         self.s, self.model, self.run_dir, self.console = s, model, run_dir, console
         self.recipe, self.loss = s.recipe, s.loss
-        self.schedule = make_schedule(s.recipe, len(s.train))
+        self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
         self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.schedule.warmup_steps,
@@ -369,6 +371,9 @@ class Trainer:
         """Replace (--force) or resume the run directory, only now that model and data have loaded."""
         from delft.rundir import architecture
 
+        if not dist.is_main():  # reads the checkpoint; rank 0 alone writes the run directory
+            self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler) if ckpt else 0
+            return
         if replace:
             self.console.print(f"[yellow]--force: replacing {self.run_dir}[/]")
             shutil.rmtree(self.run_dir)
@@ -385,9 +390,12 @@ class Trainer:
             "architecture": architecture(self.model.get_base_model().config), "quantization": s.quantization,
             "loss": self.recipe.loss.type, "loss_weight": self.recipe.loss.weight, "loss_path": self.loss.path_ran,
             "step": self.step, "total_steps": self.schedule.total_steps, "liger_kernels": kernels,
-            "data": asdict(s.stats)})
+            "data": asdict(s.stats),
+            "world_size": dist.world_size()})
 
-    def save(self, status: Optional[str] = None) -> Path:
+    def save(self, status: Optional[str] = None) -> Optional[Path]:
+        if not dist.is_main():
+            return None
         t = self.recipe.train
         path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints)
         rundir.update_info(self.run_dir, step=self.step, loss_path=self.loss.path_ran,
@@ -410,8 +418,10 @@ class Trainer:
         import torch
 
         t = self.recipe.train
-        batches = [self.batch(self.step * t.grad_accum + j) for j in range(t.grad_accum)]
+        batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
+        dist.seed_step(t.seed, self.step)
         out = optimizer_step(self.model, batches, self.loss, self.s.device)
+        dist.all_reduce_grads(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
@@ -423,6 +433,8 @@ class Trainer:
         return out, float(grad_norm)
 
     def _append_metrics(self, row: dict) -> None:
+        if not dist.is_main():
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -435,6 +447,8 @@ class Trainer:
                            f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
 
     def validate(self) -> None:
+        if not dist.is_main():  # validation loss runs on rank 0 alone; the others wait at the next step
+            return
         ev = evaluate_loss(self.model, self.s.val, self.loss, self.recipe.train.batch_size,
                            self.s.tokenizer.pad_token_id, self.s.device)
         self._append_metrics({"step": self.step, **ev})
@@ -450,7 +464,8 @@ class Trainer:
 
         t, total = self.recipe.train, self.schedule.total_steps
         self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
-                           f"({self.schedule.micro_per_epoch} micro-batches per epoch), run directory {self.run_dir}")
+                           f"{dist.describe()}({self.schedule.micro_per_epoch} micro-batches per epoch), "
+                           f"run directory {self.run_dir}")
         if self.s.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
@@ -484,6 +499,8 @@ class Trainer:
 
     def finish(self) -> None:
         """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
+        if not dist.is_main():
+            return
         run_dir = self.run_dir
         tmp = run_dir / ".final-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -503,13 +520,15 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
                  console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
     """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
     or, with ``force``, a replaced earlier run. Returns the run directory."""
-    console = console or Console()
+    dist.start(recipe.model.device)
+    console = dist.rank_console(console or Console())
     run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console)
     random.seed(recipe.train.seed)
     s = setup(recipe)
     model, dtype, kernels = build_model(s, console)
     describe(s, model, dtype, console)
     trainer = Trainer(s, model, run_dir, console)
+    dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
     trainer.open_run_dir(ckpt, replace, kernels)
     trainer.train(resume_command)
     trainer.finish()
