@@ -10,8 +10,9 @@ extra) from a 16-bit GGUF of the merged model's own dtype.
 The check, per file: llama.cpp (llama-cpp-python) loads the GGUF and computes the logits at every position of
 the export's check prompts; the merged model in transformers (fp32) computes the same, from the same token ids
 (the Hugging Face tokenizer's, so tokenisation cannot hide or cause a difference). Reported: the normalised
-squared error ``||llama - hf||^2 / ||hf||^2`` against ``TOLERANCE[type]`` (the verdict), the share of positions
-whose argmax agrees, and both greedy answers to one chat prompt. A LoRA GGUF is checked as llama.cpp's base
+squared error ``||llama - hf||^2 / ||hf||^2`` against ``TOLERANCE[type]`` and whether llama.cpp's own tokenizer
+gives the same ids on those texts (together the verdict), the share of positions whose argmax agrees, and both
+greedy answers to one chat prompt. A LoRA GGUF is checked as llama.cpp's base
 GGUF + adapter against base + adapter in transformers. A failed check keeps every file, writes
 GGUF_CHECK_FAILED.txt and exits 1, as the merge check does.
 """

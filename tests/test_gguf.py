@@ -207,7 +207,7 @@ def test_llama_cpp_reproduces_transformers_and_the_lora_the_merge(smol_export, s
 
 
 @pytest.mark.slow
-def test_refuses_a_tokenizer_llama_cpp_does_not_know(tmp_path, tiny_model_dir):
+def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_model_dir):
     from delft.recipe import load_recipe
     from delft.train import run_training
 
@@ -217,9 +217,19 @@ def test_refuses_a_tokenizer_llama_cpp_does_not_know(tmp_path, tiny_model_dir):
               "output": {"dir": str(tmp_path / "run")}}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     run = run_training(load_recipe(tmp_path / "recipe.yaml"))
+    # the tiny model's character-level tokenizer is no pre-tokenizer llama.cpp implements
     res = _cli(run, "--out", tmp_path / "o", "--gguf", "f16")
     assert res.exit_code == 2 and "does not recognise the tokenizer" in res.output, res.output
-    assert not (tmp_path / "o").exists()  # refused before the merge
+    assert not (tmp_path / "o").exists()
+
+    other = tmp_path / "other-arch"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    info = json.loads((run / "delft_run.json").read_text())
+    (run / "delft_run.json").write_text(json.dumps({**info, "base_model": str(other)}))
+    with pytest.raises(UserError, match="does not support the architecture NoSuchModelForCausalLM"):
+        prepare_gguf(run, tmp_path / "o", ["q8_0"])
 
 
 @pytest.mark.slow
