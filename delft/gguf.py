@@ -255,8 +255,7 @@ def _run_converter(converter: Path, script: str, args: list[str], what: str) -> 
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = str(converter / "gguf-py")  # its own gguf-py, not the installed gguf package
     env["TQDM_DISABLE"] = "1"
-    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True,
-                          env=env, cwd=str(converter))
+    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True, env=env)
     if proc.returncode == 0:
         return
     log = (proc.stderr or "") + (proc.stdout or "")

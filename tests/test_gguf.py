@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -129,10 +130,14 @@ def smol_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def smol_export(smol_run, tmp_path_factory) -> tuple[Path, object]:
-    out = tmp_path_factory.mktemp("gguf-out") / "smol"
-    res = _cli(smol_run, "--out", out, "--gguf", "f16", "--gguf", "q8_0", "--gguf", "q4_k_m", "--gguf-lora",
-               "--gguf-check")
-    return out, res
+    parent, cwd = tmp_path_factory.mktemp("gguf-out"), os.getcwd()
+    os.chdir(parent)  # a relative --out, as people type it
+    try:
+        res = _cli(smol_run, "--out", "smol", "--gguf", "f16", "--gguf", "q8_0", "--gguf", "q4_k_m", "--gguf-lora",
+                   "--gguf-check")
+    finally:
+        os.chdir(cwd)
+    return parent / "smol", res
 
 
 def _llama(path: Path, lora: Path = None):
