@@ -148,12 +148,24 @@ def export(
     tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Max |logit difference| allowed in the check."),
     device: str = typer.Option("cpu", "--device", help="Where to merge: cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+    gguf: List[str] = typer.Option(
+        [], "--gguf", help="Also write DIR/<name>-TYPE.gguf for llama.cpp, Ollama, LM Studio: f16, bf16, q8_0, "
+                           "q4_k_m, ... (repeatable)."),
+    gguf_lora: bool = typer.Option(False, "--gguf-lora", help="Also write the adapter alone as a GGUF LoRA "
+                                                              "(with its base as GGUF) for llama-cli --lora."),
+    gguf_check: Optional[bool] = typer.Option(
+        None, "--gguf-check/--no-gguf-check",
+        help="Load the GGUF files in llama.cpp and compare logits (default: when llama-cpp-python is installed)."),
 ):
-    """Merge an adapter into a standalone model and verify the merge."""
+    """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
     from delft.export import run_export
+    from delft.gguf import export_gguf, prepare_gguf
 
-    run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
-               device=device, force=force, console=console)
+    plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force)
+    result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
+                        device=device, force=force, console=console)
+    if plan is not None:
+        export_gguf(plan, result, console)
 
 
 @app.command()
