@@ -347,7 +347,8 @@ def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
 
     loss = Loss("del", 0.5, vocab)
     assert loss.combine(Sums(6.0, 2.0, Counts(1, 1)), Counts(3, 4)) == pytest.approx(6 / 3 + 0.5 * 2 / 4)
-    assert loss.means(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 0)) == {"ce": 2.0, "term": 0.0, "loss": 2.0}
+    assert loss.means(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 0)) == {"ce": 2.0, "term": 0.0, "loss": 2.0,
+                                                                      "digit_logit": None, "p_digit": None}
     assert Loss("ce").combine(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 4)) == 2.0  # no term, whatever the digits
 
 
