@@ -338,7 +338,7 @@ def test_misaligned_logits_are_refused(tok, vocab):
 def test_loss_from_config_and_fused_resolution(vocab):
     loss = Loss.from_config(LossConfig(type="dist2", tau=0.5), vocab)
     assert (loss.type, loss.weight, loss.params) == ("dist2", 0.1, {"tau": 0.5})
-    assert Loss.from_config(LossConfig(type="del"), vocab).weight == 0.3
+    assert Loss.from_config(LossConfig(type="del"), vocab).weight == 0.03
     assert not Loss.from_config(LossConfig(type="ce"), None).has_term
     with pytest.raises(UserError, match="single-token digits"):
         Loss.from_config(LossConfig(type="del"), None)
