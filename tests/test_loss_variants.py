@@ -20,22 +20,14 @@ from tiny import build_model, build_tokenizer
 VARIANTS = ["del_prob", "del_centered"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
+@pytest.fixture(scope="module")
+def digits():
+    """(tokenizer, DigitVocab), with torch on one thread: these tensors are tiny and the CPU is busy."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    tok = build_tokenizer()
+    yield tok, DigitVocab.from_tokenizer(tok)
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def vocab(tok):
-    return DigitVocab.from_tokenizer(tok)
 
 
 def logits_with(p_y: float, offset: float, spread: float = 0.0) -> torch.Tensor:
@@ -173,7 +165,8 @@ def test_place_weight_modes_by_hand():
         place_weight(1, "log")
 
 
-def test_place_weight_modes_reach_the_loss(tok, vocab):
+def test_place_weight_modes_reach_the_loss(digits):
+    tok, vocab = digits
     labels = torch.tensor([tok.encode("123456789012.5", add_special_tokens=False)])
     for mode, cap, want in [("reference", 10.0, [24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2]),
                             ("capped", 10.0, [10] * 8 + [8, 6, 4, 2]),
@@ -219,7 +212,8 @@ def simulate_hf_trainer(lm_head, shards, vocab, lam: float) -> list[torch.Tensor
     return [sum(grads) / world]
 
 
-def test_reference_normalisation_equals_hf_trainer(tok, vocab):
+def test_reference_normalisation_equals_hf_trainer(digits):
+    tok, vocab = digits
     torch.manual_seed(5)
     texts = ["a 12+7=19 b", "x 3.5 y 400", "no digits!!", "n=100000007", "8 * 9 = 72.", "-0.125 is 1",
              "it is 2026.", "5 5 5 5 5 5"]
@@ -261,7 +255,8 @@ def test_reference_normalisation_equals_hf_trainer(tok, vocab):
     assert not torch.allclose(lm_head.weight.grad, simulate_hf_trainer(lm_head, [batches[:ga]], vocab, lam)[0])
 
 
-def test_reference_normalisation_from_the_recipe(vocab, tmp_path, tiny_model_dir):
+def test_reference_normalisation_from_the_recipe(digits, tmp_path, tiny_model_dir):
+    vocab = digits[1]
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir, train={"grad_accum": 32},
                                      loss={"type": "del", "weight": 0.01, "normalisation": "reference"}))
     loss = Loss.from_recipe(recipe, vocab, "cpu")
@@ -273,7 +268,8 @@ def test_reference_normalisation_from_the_recipe(vocab, tmp_path, tiny_model_dir
 # ------------------------------------------------------------------ digit statistics in the log
 
 
-def test_logged_digit_statistics_equal_a_direct_computation(tok, vocab):
+def test_logged_digit_statistics_equal_a_direct_computation(digits):
+    tok, vocab = digits
     from delft.train import optimizer_step
 
     model = build_model(tok, hidden=32, layers=2)
