@@ -341,7 +341,11 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss
     term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
-    console.print(f"[bold]loss[/] CE + {term} (each a mean over the optimizer batch)")
+    from delft.loss_types import GLOBAL
+
+    how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
+           f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")
+    console.print(f"[bold]loss[/] CE + {term} ({how})")
 
 
 class Trainer:
