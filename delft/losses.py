@@ -7,7 +7,8 @@ digit logit columns only.
 ``Loss`` is built once from the recipe (type, lambda, options, chunk size, CE path). Over one optimizer batch,
     loss = CE_sum / N_labels + lambda * term_sum / N_digits
 with N_labels / N_digits counted over the WHOLE optimizer batch (``Loss.count``) before the micro-batches run,
-so the gradient does not depend on how the batch is split. ``Loss.sums`` gives one micro-batch's sums and
+so the gradient does not depend on how the batch is split (loss.normalisation 'global'; 'reference' copies the
+DEL reference's per-micro-batch scaling, ``Loss.means``). ``Loss.sums`` gives one micro-batch's sums and
 ``Loss.combine`` turns sums and counts into that loss; nothing else writes the formula.
 """
 
