@@ -79,10 +79,23 @@ def token_places(texts: Sequence[Optional[str]]) -> list[tuple[Optional[int], ..
     return [tuple(p) for p in out]
 
 
-def place_weight(place: int) -> float:
-    """DEL's weight: 2 * r for integer digits, 1.02 ** -(i + 1) for the i-th fraction digit."""
+PLACE_WEIGHTS = ("reference", "capped", "uniform")  # loss.place_weights
+DEFAULT_PLACE_WEIGHT_CAP = 10.0
+
+
+def place_weight(place: int, mode: str = "reference", cap: float = DEFAULT_PLACE_WEIGHT_CAP) -> float:
+    """DEL's weight of a digit at ``place``.
+
+    'reference': 2 * r for the r-th integer digit, 1.02 ** -(i + 1) for the i-th fraction digit (grows without
+    bound: a 20-digit integer's leading digit weighs 40); 'capped': the same with integer weights at most
+    ``cap``; 'uniform': 1 everywhere.
+    """
+    if mode == "uniform":
+        return 1.0
+    if mode not in PLACE_WEIGHTS:
+        raise ValueError(f"place weights must be one of {PLACE_WEIGHTS}, not {mode!r}")
     if place > 0:
-        return 2.0 * place
+        return 2.0 * place if mode == "reference" else min(2.0 * place, cap)
     return FRACTION_DECAY ** -(-place + 1)
 
 

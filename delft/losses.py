@@ -8,7 +8,8 @@ logit columns of the number tokens only: the ten digits, or on tokenizers with m
 ``Loss`` is built once from the recipe (type, lambda, options, chunk size, CE path). Over one optimizer batch,
     loss = CE_sum / N_labels + lambda * term_sum / N_digits
 with N_labels / N_digits counted over the WHOLE optimizer batch (``Loss.count``) before the micro-batches run,
-so the gradient does not depend on how the batch is split. ``Loss.sums`` gives one micro-batch's sums and
+so the gradient does not depend on how the batch is split (loss.normalisation 'global'; 'reference' copies the
+DEL reference's per-micro-batch scaling, ``Loss.means``). ``Loss.sums`` gives one micro-batch's sums and
 ``Loss.combine`` turns sums and counts into that loss; nothing else writes the formula.
 """
 
@@ -24,9 +25,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from delft.data import IGNORE
-from delft.digits import DigitVocab, place_weight
+from delft.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS, DigitVocab, place_weight
 from delft.errors import UserError
-from delft.loss_types import CE, CHUNKED_CE, FUSED_CE, LOSS_TYPES, LossType, fused_applies
+from delft.loss_types import (CE, CHUNKED_CE, FUSED_CE, GLOBAL, LOSS_TYPES, NORMALISATIONS, REFERENCE, LossType,
+                              fused_applies)
 from delft.numtokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets, number_vocab, \
     offered
 from delft.triton_cpu import interpreter_on, patch_interpreter
@@ -48,8 +50,8 @@ class DigitTargets(NamedTuple):
     weights: Tensor  # [N] float32, DEL place weight
 
 
-def digit_targets(labels: Tensor, vocab: DigitVocab) -> DigitTargets:
-    """Digit positions, their values and DEL place weights; runs are found per sequence (digits.py)."""
+def digit_targets(labels: Tensor, vocab: DigitVocab, weigh: Callable[[int], float] = place_weight) -> DigitTargets:
+    """Digit positions, their values and DEL place weights (``weigh(place)``); runs are found per sequence."""
     rows = labels.tolist()
     mask = [[False] * labels.shape[-1] for _ in rows]
     targets: list[int] = []
@@ -60,7 +62,7 @@ def digit_targets(labels: Tensor, vocab: DigitVocab) -> DigitTargets:
                 continue
             mask[b][t] = True
             targets.append(int(vocab.char_of(row[t])))
-            weights.append(place_weight(place))
+            weights.append(weigh(place))
     dev = labels.device
     return DigitTargets(torch.tensor(mask, dtype=torch.bool, device=dev).reshape(labels.shape),
                         torch.tensor(targets, dtype=torch.long, device=dev),
@@ -112,6 +114,44 @@ def del_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
     b = F.binary_cross_entropy_with_logits(z, F.one_hot(y, 10).to(z.dtype), reduction="none")
     # mean over k here, so a mean over positions equals the mean over all N x 10 entries
     return w.to(z) * (p * b).mean(dim=-1)
+
+
+# Why two more DEL forms (docs/losses.md, "Shift invariance"): BCE-with-logits on raw logits changes when all ten
+# digit logits move together, so ``del`` can lower itself by shifting them (an LM's raw digit logits sit far
+# from 0), and once they are negative the correct digit's own p_y * softplus(-z_y) falls as p_y falls, so
+# dDEL/dz_y > 0: descent pushes the correct digit down. Both forms below depend on z only through the digit
+# softmax (or centred logits) and detach p where it is the weight, so that cannot happen.
+
+
+@term_of("del_prob")
+def del_prob_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """w * mean_k sg(p_k) * BCE(p_k, 1[k == y]), p = softmax over the ten digits, sg = detach.
+
+    Shift-invariant (p is). Gradient, with c_k = w sg(p_k) / 10:
+        dL/dz_y = -c_y (1 - p_y) - sum_{k != y} c_k p_k p_y / (1 - p_k)  < 0  for every z,
+    so descent always raises the correct digit; at equal logits (p = 0.1) it is -w / 100.
+    """
+    z, y = _prep(z, y)
+    log_p = torch.log_softmax(z, dim=-1)
+    hit = F.one_hot(y, 10).to(torch.bool)
+    # log(1 - p_k) from log p_k without cancellation (p_k near 1); clamped so log1mexp(0) is finite
+    log_miss = torch.log(-torch.expm1(log_p.clamp(max=-1e-7)))
+    bce = -torch.where(hit, log_p, log_miss)
+    return w.to(z) * (log_p.exp().detach() * bce).mean(dim=-1)
+
+
+@term_of("del_centered")
+def del_centered_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """w * mean_k sg(p_k) * BCEWithLogits(z_k - mean_j z_j, 1[k == y]): the reference's binary CE per candidate
+    on logits centred over the ten digits, weight detached.
+
+    Shift-invariant (centring removes a common offset). With u = z - mean z, s = sigmoid, c_k = w sg(p_k) / 10:
+        dL/dz_y = 0.9 c_y (s(u_y) - 1) - 0.1 sum_{k != y} c_k s(u_k)  < 0  for every z.
+    """
+    z, y = _prep(z, y)
+    u = z - z.mean(dim=-1, keepdim=True)
+    b = F.binary_cross_entropy_with_logits(u, F.one_hot(y, 10).to(z.dtype), reduction="none")
+    return w.to(z) * (torch.softmax(z, dim=-1).detach() * b).mean(dim=-1)
 
 
 @term_of("ntl_was")
@@ -241,19 +281,37 @@ def _scalar(x) -> float:
 class Sums:
     """One micro-batch's (or several, added) CE and digit-term sums with its own counts.
 
-    ``ce`` / ``term`` are tensors in the autograd graph from ``Loss.sums``, floats after ``detach``.
+    ``ce`` / ``term`` / ``term_means`` are tensors in the autograd graph from ``Loss.sums``, floats after
+    ``detach``. ``term_means`` adds up each micro-batch's own term mean and ``micro`` counts the micro-batches
+    (loss.normalisation 'reference'). ``digit_logit`` / ``p_digit`` are plain sums over digit labels of the mean
+    raw digit logit and of P(correct digit | digits), for the log (no gradient).
     """
 
     ce: Any
     term: Any
     counts: Counts
+    term_means: Any = 0.0
+    micro: int = 0
+    digit_logit: float = 0.0
+    p_digit: float = 0.0
 
     def __add__(self, other: "Sums") -> "Sums":
-        return Sums(self.ce + other.ce, self.term + other.term, self.counts + other.counts)
+        return Sums(self.ce + other.ce, self.term + other.term, self.counts + other.counts,
+                    self.term_means + other.term_means, self.micro + other.micro,
+                    self.digit_logit + other.digit_logit, self.p_digit + other.p_digit)
 
     def detach(self) -> "Sums":
         """Floats, out of the graph: for logging and for adding up over batches."""
-        return Sums(_scalar(self.ce), _scalar(self.term), self.counts)
+        return Sums(_scalar(self.ce), _scalar(self.term), self.counts, _scalar(self.term_means), self.micro,
+                    self.digit_logit, self.p_digit)
+
+
+def digit_stats(z: Tensor, y: Tensor) -> tuple[float, float]:
+    """(sum over rows of the mean raw digit logit, sum of P(y | the ten digits)) of z [N, 10]: for the log."""
+    with torch.no_grad():
+        z = z.to(_compute_dtype(z.dtype))
+        p_y = torch.softmax(z, dim=-1).gather(-1, y.view(-1, 1).to(z.device))
+        return float(z.mean(dim=-1).sum()), float(p_y.sum())
 
 
 class Loss:
@@ -264,10 +322,16 @@ class Loss:
     gradients are being taken; otherwise the output layer runs in checkpointed chunks of ``chunk_size`` rows.
     ``ran`` collects the CE paths that training micro-batches actually took. ``vocab`` is a DigitVocab or a
     NumberVocab (delft.numtokens); the digit term is per digit character either way (``numbers``).
+
+    ``normalisation`` 'global' (delft) or 'reference' (the DEL reference under HF Trainer: see ``means``);
+    ``grad_accum`` and ``world_size`` only matter for 'reference'. ``place_weights`` / ``place_weight_cap``
+    choose the place weight (delft.digits.place_weight) that the DEL forms read.
     """
 
     def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab | NumberVocab] = None, *,
-                 chunk_size: int = 1024, fused: bool = False, **params):
+                 chunk_size: int = 1024, fused: bool = False, normalisation: str = GLOBAL, grad_accum: int = 1,
+                 world_size: int = 1, place_weights: str = "reference",
+                 place_weight_cap: float = DEFAULT_PLACE_WEIGHT_CAP, **params):
         if type not in LOSS_TYPES:
             raise ValueError(f"unknown loss type {type!r}")
         self.kind: LossType = LOSS_TYPES[type]
@@ -281,10 +345,14 @@ class Loss:
         self._tables: dict[str, CharTable] = {}
         self.chunk_size, self.fused = chunk_size, fused
         self.ran: set[str] = set()
+        if normalisation not in NORMALISATIONS or place_weights not in PLACE_WEIGHTS:
+            raise ValueError(f"normalisation {normalisation!r} / place weights {place_weights!r} unknown")
+        self.normalisation, self.grad_accum, self.world_size = normalisation, int(grad_accum), int(world_size)
+        self.weigh = functools.partial(place_weight, mode=place_weights, cap=float(place_weight_cap))
 
     @classmethod
     def from_config(cls, loss_cfg, vocab: Optional[DigitVocab | NumberVocab], chunk_size: int = 1024,
-                    fused: bool = False):
+                    fused: bool = False, grad_accum: int = 1):
         """From a recipe.LossConfig; vocab may be None only for type 'ce'."""
         kind = LOSS_TYPES[loss_cfg.type]
         if kind.has_term and vocab is None:
@@ -292,13 +360,15 @@ class Loss:
                             "vocabulary was found", fix="Use a tokenizer that writes numbers with digit-only tokens "
                             "or set loss.type: ce.")
         return cls(loss_cfg.type, loss_cfg.weight or 0.0, vocab, chunk_size=chunk_size, fused=fused,
+                   normalisation=loss_cfg.normalisation, grad_accum=grad_accum,
+                   place_weights=loss_cfg.place_weights, place_weight_cap=loss_cfg.place_weight_cap,
                    **{p: getattr(loss_cfg, p) for p in kind.params})
 
     @classmethod
     def from_recipe(cls, recipe, vocab: Optional[DigitVocab | NumberVocab], device) -> "Loss":
         """The recipe's loss on ``device`` (raises UserError for train.fused_loss 'on' where Liger cannot run)."""
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
-                               resolve_fused(recipe.train.fused_loss, device))
+                               resolve_fused(recipe.train.fused_loss, device), recipe.train.grad_accum)
 
     @property
     def has_term(self) -> bool:
@@ -355,21 +425,48 @@ class Loss:
             self.ran.add(path)
         if not self.has_term:
             return Sums(ce_sum, hidden.new_zeros((), dtype=torch.float32), Counts(int(t.numel()), 0))
-        nt = number_targets(labels, self.numbers)
+        nt = number_targets(labels, self.numbers, self.weigh)
         z, y = self.digit_chars(digit_logits(hidden[nt.mask], lm_head, self.numbers.ids), nt.gold)
         term_sum = self.term(z, y, nt.weights).sum()  # empty sum = 0, still in the graph
-        return Sums(ce_sum, term_sum, Counts(int(t.numel()), int(y.numel())))
+        return self.micro_sums(ce_sum, term_sum, Counts(int(t.numel()), int(y.numel())), z, y)
+
+    def micro_sums(self, ce_sum: Tensor, term_sum: Tensor, counts: Counts, z: Tensor, y: Tensor) -> Sums:
+        """One micro-batch's Sums from its CE and term sums and its per-character digit logits z [N, 10] (targets y)."""
+        mean = term_sum / counts.digits if counts.digits else term_sum * 0
+        return Sums(ce_sum, term_sum, counts, mean, 1, *digit_stats(z, y))
+
+    @property
+    def term_scale(self) -> float:
+        """What multiplies lambda x term in the loss: 1 ('global'), accumulation steps x world size ('reference')."""
+        return float(self.grad_accum * self.world_size) if self.normalisation == REFERENCE else 1.0
 
     def means(self, sums: Sums, counts: Counts) -> dict:
-        """{"ce", "term", "loss"} of an optimizer batch whose counts are ``counts``: CE per label, term per digit
-        label, loss = ce + lambda * term. Tensors in the graph from ``sums``' tensors, floats from detached ones."""
+        """{"ce", "term", "loss", "digit_logit", "p_digit"} of an optimizer batch whose counts are ``counts``.
+
+        CE per label; 'global': term per digit label, loss = ce + lambda * term. 'reference': term = the mean
+        of the micro-batches' own term means, loss = ce + lambda * grad_accum * world_size * term, what the DEL
+        reference's code optimises under HF Trainer (docs/losses.md). Tensors in the graph from ``sums``'
+        tensors, floats from detached ones. The digit statistics are per digit label (None without digits).
+        """
         ce = sums.ce / max(1, counts.labels)
-        term = sums.term / counts.digits if counts.digits else sums.term * 0
-        loss = ce + self.weight * term if self.weight > 0 and counts.digits else ce
-        return {"ce": ce, "term": term, "loss": loss}
+        if self.normalisation == REFERENCE:
+            term = sums.term_means / sums.micro if sums.micro else sums.term * 0
+        else:
+            term = sums.term / counts.digits if counts.digits else sums.term * 0
+        loss = ce + self.weight * self.term_scale * term if self.weight > 0 and counts.digits else ce
+        n = sums.counts.digits
+        return {"ce": ce, "term": term, "loss": loss, "digit_logit": sums.digit_logit / n if n else None,
+                "p_digit": sums.p_digit / n if n else None}
 
     def combine(self, sums: Sums, counts: Counts):
-        """The loss to back-propagate for one micro-batch's ``sums`` in an optimizer batch with ``counts``."""
+        """The loss to back-propagate for one micro-batch's ``sums`` in an optimizer batch with ``counts``.
+
+        'reference': the micro-batch adds lambda x world_size x its own term mean (HF Trainer neither divides
+        by the accumulation steps nor normalises the term globally), so over the step that is ``means``' loss.
+        """
+        if self.normalisation == REFERENCE:
+            ce = sums.ce / max(1, counts.labels)
+            return ce + self.weight * self.world_size * sums.term_means if self.weight > 0 and counts.digits else ce
         return self.means(sums, counts)["loss"]
 
 
@@ -389,16 +486,17 @@ def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: NumberVocab) -> T
     return logits[mask].to(_compute_dtype(logits.dtype))
 
 
-def _term_sum(logits: Tensor, labels: Tensor, loss: Loss) -> tuple[Tensor, int]:
-    nt = number_targets(labels, loss.numbers)
+def _term_sum(logits: Tensor, labels: Tensor, loss: Loss) -> tuple[Tensor, Tensor, Tensor]:
+    """(term sum, per-character digit logits [N, 10], targets [N]) from full logits."""
+    nt = number_targets(labels, loss.numbers, loss.weigh)
     z, y = loss.digit_chars(_gather_digit_columns(logits, nt.mask, loss.numbers), nt.gold)
-    return loss.term(z, y, nt.weights).sum(), int(y.numel())
+    return loss.term(z, y, nt.weights).sum(), z, y
 
 
 def term_mean(logits: Tensor, labels: Tensor, loss: Loss) -> Tensor:
     """Mean of the loss's digit term over digit-label positions; 0 (in the graph) when there are none."""
-    total, n = _term_sum(logits, labels, loss)
-    return total / max(n, 1)
+    total, _, y = _term_sum(logits, labels, loss)
+    return total / max(int(y.numel()), 1)
 
 
 def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
@@ -407,8 +505,10 @@ def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
     ce_sum = F.cross_entropy(flat.to(_compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
                              reduction="sum")
     counts = loss.count(labels)
-    term_sum = _term_sum(logits, labels, loss)[0] if loss.has_term else torch.zeros_like(ce_sum)
-    return loss.means(Sums(ce_sum, term_sum, counts), counts)
+    if not loss.has_term:
+        return loss.means(Sums(ce_sum, torch.zeros_like(ce_sum), counts), counts)
+    term_sum, z, y = _term_sum(logits, labels, loss)
+    return loss.means(loss.micro_sums(ce_sum, term_sum, counts, z, y), counts)
 
 
 class _DigitLoss(nn.Module):

@@ -302,8 +302,9 @@ class NumberTargets(NamedTuple):
     weights: "Tensor"  # [C] float32: DEL place weight of every digit character (position, then character)
 
 
-def number_targets(labels: "Tensor", vocab: NumberVocab) -> NumberTargets:
-    """Number-token positions, their columns and per-character place weights; runs per sequence, across tokens.
+def number_targets(labels: "Tensor", vocab: NumberVocab, weigh=place_weight) -> NumberTargets:
+    """Number-token positions, their columns and per-character place weights (``weigh(place)``, e.g. a
+    ``loss.place_weights`` mode); runs per sequence, across tokens.
 
     On a single-digit tokenizer this equals ``losses.digit_targets`` (mask, targets = gold, weights).
     """
@@ -320,7 +321,7 @@ def number_targets(labels: "Tensor", vocab: NumberVocab) -> NumberTargets:
                 continue
             mask[b][t] = True
             gold.append(col)
-            weights.extend(place_weight(p) for p in places)
+            weights.extend(weigh(p) for p in places)
     dev = labels.device
     return NumberTargets(torch.tensor(mask, dtype=torch.bool, device=dev).reshape(labels.shape),
                          torch.tensor(gold, dtype=torch.long, device=dev),

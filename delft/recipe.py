@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from delft.data import EVAL_SEED_OFFSET
 from delft.errors import UserError
-from delft.loss_types import LOSS_TYPES
+from delft.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
+from delft.loss_types import GLOBAL, LOSS_TYPES, NORMALISATIONS
 
 
 class Section(BaseModel):
@@ -114,6 +115,15 @@ class LossConfig(Section):
         None, ge=0, description="lambda in CE + lambda * term; default per type ("
         + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + ").")
     tau: float = Field(1.0, gt=0, description="dist2 only: width of the soft target exp(-(k-y)^2/tau).")
+    normalisation: Literal[NORMALISATIONS] = Field(  # type: ignore[valid-type]
+        GLOBAL, description="global: CE per label + lambda x term per digit label, both over the optimizer batch; "
+        "reference: as the DEL paper's code ran under HF Trainer (term a mean per micro-batch, x grad_accum), "
+        "to reproduce it (docs/losses.md).")
+    place_weights: Literal[PLACE_WEIGHTS] = Field(  # type: ignore[valid-type]
+        "reference", description="DEL place weights: reference (2r for the r-th integer digit, unbounded), "
+        "capped (at most place_weight_cap), uniform (1).")
+    place_weight_cap: float = Field(DEFAULT_PLACE_WEIGHT_CAP, gt=0,
+                                    description="place_weights: capped only: the largest integer-digit weight.")
 
     @model_validator(mode="after")
     def _defaults(self):
@@ -122,6 +132,13 @@ class LossConfig(Section):
             if name not in kind.params and getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{name} only applies to type " + " / ".join(
                     f"'{t.name}'" for t in LOSS_TYPES.values() if name in t.params) + f", not '{self.type}'")
+        if not kind.place_weighted and (self.place_weights != "reference"
+                                        or self.place_weight_cap != DEFAULT_PLACE_WEIGHT_CAP):
+            raise ValueError("place_weights only apply to the DEL types ("
+                             + ", ".join(t.name for t in LOSS_TYPES.values() if t.place_weighted)
+                             + f"), not '{self.type}'")
+        if self.place_weight_cap != DEFAULT_PLACE_WEIGHT_CAP and self.place_weights != "capped":
+            raise ValueError("place_weight_cap only applies to place_weights: capped")
         if self.weight is None:
             object.__setattr__(self, "weight", kind.default_weight)
         return self

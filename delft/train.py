@@ -343,7 +343,11 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss
     term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
-    console.print(f"[bold]loss[/] CE + {term} (each a mean over the optimizer batch)")
+    from delft.loss_types import GLOBAL
+
+    how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
+           f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")
+    console.print(f"[bold]loss[/] CE + {term} ({how})")
 
 
 class Trainer:
@@ -441,7 +445,8 @@ class Trainer:
     def log(self, out: dict, grad_norm: float, tokens_per_s: float, stats: str) -> None:
         row = {"step": self.step, "loss": out["loss"], "ce": out["ce"], "term": out["term"],
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "peak_mem_gb": peak_memory_gb(self.s.device)}
+               "peak_mem_gb": peak_memory_gb(self.s.device), "digit_logit": out.get("digit_logit"),
+               "p_digit": out.get("p_digit")}
         self._append_metrics(row)
         self.console.print(f"step {self.step:>5}/{self.schedule.total_steps}  {stats}  lr {row['lr']:.2e}  "
                            f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
@@ -480,6 +485,8 @@ class Trainer:
                     window_tokens += out["tokens"]
                     rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                     stats = f"loss {out['loss']:.4f}  ce {out['ce']:.4f}  {self.term_name} {out['term']:.4f}"
+                    if out.get("p_digit") is not None:  # the shift of the raw digit logits and P(correct digit)
+                        stats += f"  digit logit {out['digit_logit']:+.1f}  P(digit) {out['p_digit']:.2f}"
                     progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
                                                                      f"peak {peak_memory_gb(self.s.device):.2f} GB")
                     last = self.step == total

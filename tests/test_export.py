@@ -112,7 +112,7 @@ def test_fp32_export_equals_base_plus_adapter(run_dir, reference, tiny_model_dir
     assert (merged - reference[1]).abs().max() <= 1e-4
 
     card = (out / "README.md").read_text()
-    for text in (str(tiny_model_dir), "del", "0.3", "2 of 2", "exact_match 43.8%", "passed",
+    for text in (str(tiny_model_dir), "del", "0.03", "2 of 2", "exact_match 43.8%", "passed",
                  "into the original base weights", "r 16"):
         assert text in card, text
     info = json.loads((out / "delft_export.json").read_text())

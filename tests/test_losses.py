@@ -10,6 +10,7 @@ from torch import nn
 
 from delft.digits import DigitVocab
 from delft.errors import UserError
+from delft.loss_types import LOSS_TYPES
 from delft.losses import (
     DigitEntropyLoss,
     Dist2Loss,
@@ -20,12 +21,13 @@ from delft.losses import (
     digit_targets,
     full_logits_loss,
     resolve_fused,
+    term_mean,
 )
 from delft.recipe import LossConfig
 from tiny import build_model, build_tokenizer
 
 LN2 = math.log(2)
-TYPES = ["del", "ntl_was", "ntl_mse", "dist2"]
+TYPES = [name for name, t in LOSS_TYPES.items() if t.has_term]  # every registered digit term
 
 
 def frac(i: int) -> float:
@@ -62,9 +64,14 @@ def labels_of(tok, *texts: str) -> torch.Tensor:
 
 
 def make_loss(kind: str, vocab, tau: float = 1.0):
-    return {"del": lambda: DigitEntropyLoss(vocab=vocab), "ntl_was": lambda: NumberTokenLoss(kind="was", vocab=vocab),
-            "ntl_mse": lambda: NumberTokenLoss(kind="mse", vocab=vocab),
-            "dist2": lambda: Dist2Loss(tau=tau, vocab=vocab)}[kind]()
+    """The public module of ``kind``; types without one (the DEL variants) as a term mean through Loss."""
+    modules = {"del": lambda: DigitEntropyLoss(vocab=vocab), "ntl_was": lambda: NumberTokenLoss(kind="was", vocab=vocab),
+               "ntl_mse": lambda: NumberTokenLoss(kind="mse", vocab=vocab),
+               "dist2": lambda: Dist2Loss(tau=tau, vocab=vocab)}
+    if kind in modules:
+        return modules[kind]()
+    loss = Loss(kind, 1.0, vocab)
+    return lambda logits, labels: term_mean(logits, labels, loss)
 
 
 # ------------------------------------------------------------------ hand-computed values
@@ -168,7 +175,9 @@ SMALL = DigitVocab(digit_ids=tuple(range(3, 13)), dot_id=13)   # V = 16: digits 
 SMALL_LABELS = torch.tensor([[0, 3 + 4, 3 + 2, 13, 3 + 7, -100], [3 + 9, 1, -100, 3 + 0, 13, 2]])
 
 
-@pytest.mark.parametrize("kind", TYPES)
+# the DEL variants detach their weight sg(p), which finite differences cannot hold still: their gradients are
+# checked against the closed form in test_loss_variants.py
+@pytest.mark.parametrize("kind", [k for k in TYPES if k not in ("del_prob", "del_centered")])
 @pytest.mark.parametrize("width", [10, 16])
 def test_gradcheck(kind, width):
     torch.manual_seed(0)
@@ -329,7 +338,7 @@ def test_misaligned_logits_are_refused(tok, vocab):
 def test_loss_from_config_and_fused_resolution(vocab):
     loss = Loss.from_config(LossConfig(type="dist2", tau=0.5), vocab)
     assert (loss.type, loss.weight, loss.params) == ("dist2", 0.1, {"tau": 0.5})
-    assert Loss.from_config(LossConfig(type="del"), vocab).weight == 0.3
+    assert Loss.from_config(LossConfig(type="del"), vocab).weight == 0.03
     assert not Loss.from_config(LossConfig(type="ce"), None).has_term
     with pytest.raises(UserError, match="single-token digits"):
         Loss.from_config(LossConfig(type="del"), None)
@@ -347,7 +356,8 @@ def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
 
     loss = Loss("del", 0.5, vocab)
     assert loss.combine(Sums(6.0, 2.0, Counts(1, 1)), Counts(3, 4)) == pytest.approx(6 / 3 + 0.5 * 2 / 4)
-    assert loss.means(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 0)) == {"ce": 2.0, "term": 0.0, "loss": 2.0}
+    assert loss.means(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 0)) == {"ce": 2.0, "term": 0.0, "loss": 2.0,
+                                                                      "digit_logit": None, "p_digit": None}
     assert Loss("ce").combine(Sums(6.0, 0.0, Counts(3, 0)), Counts(3, 4)) == 2.0  # no term, whatever the digits
 
 

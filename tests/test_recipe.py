@@ -81,7 +81,7 @@ def test_override_typo_is_caught(tmp_path):
 
 
 def test_loss_weight_defaults_per_type(tmp_path):
-    for kind, weight in {"del": 0.3, "ntl_was": 0.3, "ntl_mse": 0.3, "dist2": 0.1, "ce": 0.0}.items():
+    for kind, weight in {"del": 0.03, "ntl_was": 0.3, "ntl_mse": 0.3, "dist2": 0.1, "ce": 0.0}.items():
         r = load_recipe(write(tmp_path, f"loss:\n  type: {kind}\n"))
         assert r.loss.weight == weight
     assert load_recipe(write(tmp_path, "loss:\n  type: del\n  weight: 0.05\n")).loss.weight == 0.05
