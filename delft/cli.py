@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -79,7 +80,7 @@ def train(
     from delft.train import run_training
 
     cfg = load_recipe(recipe, set_)
-    again = " ".join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
+    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     run_training(cfg, resume=resume, force=force, console=console, resume_command=again)
 
 
