@@ -239,6 +239,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     with no_space_is_a_user_error(tmp, "checkpoint"):
         model.save_pretrained(tmp)
         torch.save(state, tmp / rundir.STATE_FILE)
+    rundir.follow_umask(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -646,6 +647,7 @@ class Trainer:
         with no_space_is_a_user_error(tmp, "adapter"):
             self.model.save_pretrained(tmp)
             self.s.tokenizer.save_pretrained(tmp)
+        rundir.follow_umask(tmp)
         for f in tmp.iterdir():
             os.replace(f, run_dir / f.name)
         tmp.rmdir()
