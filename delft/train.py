@@ -51,7 +51,6 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     """
     run_dir = Path(recipe.output.dir)
     check_replaceable(run_dir)
-    check_writable(run_dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     status = rundir.status(run_dir) if run_dir.is_dir() else None
@@ -103,6 +102,9 @@ def check_replaceable(run_dir: Path) -> None:
 def check_writable(run_dir: Path) -> None:
     """Before any weights load: a run directory delft could not write to is refused now, not after setup."""
     place = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
+    if not place.is_dir():
+        raise UserError(f"{place} is a file, so {run_dir} cannot be made inside it", "output.dir",
+                        "Choose an output.dir whose parent is a directory.")
     if not os.access(place, os.W_OK | os.X_OK):
         raise UserError(f"{place} is not writable, so the run cannot be saved in {run_dir}", "output.dir",
                         "Choose an output.dir in a directory you can write to.")
@@ -666,6 +668,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
 
     console = console or Console()
     check_replaceable(Path(recipe.output.dir))
+    check_writable(Path(recipe.output.dir))  # the lock file goes beside the run directory
     with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
         run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
         random.seed(recipe.train.seed)

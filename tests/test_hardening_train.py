@@ -331,3 +331,40 @@ def test_only_rank_zero_takes_the_lock(tmp_path, monkeypatch):
         with run_lock(run) as other:  # another rank of the same distributed run
             assert other.path is None
     assert not lock_path(run).exists()
+
+
+def test_run_dir_under_a_file_and_a_corrupt_run_info(tmp_path, tiny_model_dir):
+    (tmp_path / "afile").write_text("x")
+    path = recipe_file(tmp_path, tiny_model_dir)
+    with pytest.raises(UserError, match="is a file, so"):
+        run_training(load_recipe(path, [f"output.dir={tmp_path}/afile/run"]))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_INFO).write_text('{"status": "runn')
+    with pytest.raises(UserError, match=f"{RUN_INFO} cannot be read"):
+        run_training(load_recipe(path))
+
+
+def test_model_cache_conversion_keeps_a_copy_another_process_finished(tmp_path, monkeypatch):
+    from delft.models import _publish, usable_cache_dir
+    from delft.rundir import MODEL_CONFIG
+
+    target = tmp_path / "cache" / "m"
+    for who in ("first", "second"):  # two processes converted at once; the first renamed its copy in
+        tmp = tmp_path / "cache" / f".tmp-{who}"
+        tmp.mkdir(parents=True)
+        (tmp / MODEL_CONFIG).write_text(who)
+        _publish(tmp, target)
+        assert not tmp.exists()
+    assert (target / MODEL_CONFIG).read_text() == "first"
+    leftover = tmp_path / "cache" / "half"
+    leftover.mkdir()  # a killed conversion's partial copy is replaced
+    tmp = tmp_path / "cache" / ".tmp-third"
+    tmp.mkdir()
+    (tmp / MODEL_CONFIG).write_text("third")
+    _publish(tmp, leftover)
+    assert (leftover / MODEL_CONFIG).read_text() == "third"
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("DELFT_CACHE", str(tmp_path / "afile" / "cache"))
+    with pytest.raises(UserError, match="DELFT_CACHE.*cannot be used"):
+        usable_cache_dir()
