@@ -81,6 +81,9 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
     source = cfg.source
     path = Path(source).expanduser()
     if path.suffix.lower() in LOCAL_LOADERS or path.exists():
+        if path.is_dir():
+            raise UserError(f"data source {source} is a directory", f"{where}.source",
+                            "Name the data file itself (.jsonl, .json, .csv or .parquet).")
         if not path.is_file():
             raise UserError(f"data file {source} does not exist", f"{where}.source", "Check the path.")
         if path.stat().st_size == 0:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import delft.train as train_mod
 from delft.errors import UserError
@@ -188,11 +187,8 @@ def test_damaged_checkpoint_falls_back_to_an_older_one(tmp_path, tiny_model_dir,
     with open(run / METRICS, "a") as f:
         f.write('{"step": 4, "lo')  # half-written by a killed run
     monkeypatch.undo()
-    from rich.console import Console
-    import io
-
-    out = io.StringIO()
-    run_training(load_recipe(path), console=Console(file=out, width=300))
+    console, out = captured_console()
+    run_training(load_recipe(path), console=console)
     said = out.getvalue()
     assert "step-000004 cannot be read" in said and "trying an older one" in said
     assert "dropped a half-written last line" in said
@@ -227,12 +223,30 @@ def logged_steps(run: Path) -> int:
         return 0
 
 
-def test_sigterm_saves_and_a_second_training_is_refused(tmp_path, tiny_model_dir):
-    path = recipe_file(tmp_path, tiny_model_dir, name="my run", train={"max_steps": 5000, "save_steps": 4000})
-    run = tmp_path / "my run"
+def long_run(tmp_path, model_dir, name: str, logged: int):
+    """(recipe, run dir, process): a training far from its first checkpoint, once it has logged ``logged`` steps."""
+    path = recipe_file(tmp_path, model_dir, name=name, train={"max_steps": 5000, "save_steps": 4000})
     proc = train_process(path)
     try:
-        assert wait_for(proc, lambda: logged_steps(run) >= 2)
+        assert wait_for(proc, lambda: logged_steps(tmp_path / name) >= logged)
+    except BaseException:
+        proc.kill()
+        raise
+    return path, tmp_path / name, proc
+
+
+def captured_console():
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    return Console(file=out, width=300), out
+
+
+def test_sigterm_saves_and_a_second_training_is_refused(tmp_path, tiny_model_dir):
+    path, run, proc = long_run(tmp_path, tiny_model_dir, "my run", logged=2)
+    try:
         with pytest.raises(UserError, match=f"another delft train \\(pid {proc.pid}\\) is writing to"):
             run_training(load_recipe(path))
         before = run / METRICS
@@ -250,21 +264,12 @@ def test_sigterm_saves_and_a_second_training_is_refused(tmp_path, tiny_model_dir
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, tiny_model_dir):
-    import io
-
-    from rich.console import Console
-
-    path = recipe_file(tmp_path, tiny_model_dir, name="run", train={"max_steps": 5000, "save_steps": 4000})
-    run = tmp_path / "run"
-    proc = train_process(path)
-    try:
-        assert wait_for(proc, lambda: logged_steps(run) >= 1)
-    finally:
-        proc.kill()
-        proc.wait()
+    path, run, proc = long_run(tmp_path, tiny_model_dir, "run", logged=1)
+    proc.kill()
+    proc.communicate()
     assert read_info(run)["status"] == "running" and latest_checkpoint(run) is None
-    out = io.StringIO()
-    run_training(load_recipe(path, ["train.max_steps=2"]), console=Console(file=out, width=300))
+    console, out = captured_console()
+    run_training(load_recipe(path, ["train.max_steps=2"]), console=console)
     said = out.getvalue()
     assert f"holds a run (pid {proc.pid}) that stopped before its first checkpoint: starting over" in said
     assert read_info(run)["status"] == "completed" and logged_steps(run) == 2
