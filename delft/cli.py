@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -83,7 +84,7 @@ def train(
     cfg = load_recipe(recipe, set_)
     if nproc > 1:
         relaunch(nproc, strip_nproc(sys.argv[1:]))
-    again = " ".join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
+    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
         again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"
     run_training(cfg, resume=resume, force=force, console=console, resume_command=again)

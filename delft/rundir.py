@@ -41,6 +41,17 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def follow_umask(root: Path) -> None:
+    """Give ``root`` and everything in it the modes the user's umask asks for: some writers (safetensors) make
+    their files 0600, which would hide a run from the rest of a shared group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 # ----------------------------------------------------------------------------- run info
 
 

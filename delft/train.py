@@ -7,14 +7,18 @@ how it is split into micro-batches) and works from hidden states, never full-voc
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import random
 import resource
 import shutil
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,17 +42,23 @@ RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "t
 
 
 def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
-                    console: Console) -> tuple[Path, Optional[Path], bool]:
+                    console: Console, stale_pid: Optional[int] = None) -> tuple[Path, Optional[Path], bool]:
     """(run dir, checkpoint to resume or None, replace the existing dir?): a fresh run or a resume.
 
     Never overwrites a user's run without --force, and even then only later, once the model and data have
     loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
+    Called with the run directory's lock held (delft.runlock), so no other training is using it.
     """
     run_dir = Path(recipe.output.dir)
     check_replaceable(run_dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     status = rundir.status(run_dir) if run_dir.is_dir() else None
+    if exists and ckpt is None and status in (rundir.RUNNING, rundir.INTERRUPTED) and not force:
+        who = f" (pid {stale_pid})" if stale_pid else ""
+        console.print(f"[yellow]{run_dir} holds a run{who} that stopped before its first checkpoint: starting "
+                      "over.[/]")
+        return run_dir, None, True
     if force and exists:
         if not rundir.is_run_dir(run_dir):
             raise UserError(f"--force replaces only a delft run directory, and {run_dir} is not one (it has no "
@@ -88,6 +98,17 @@ def check_replaceable(run_dir: Path) -> None:
     if where.exists() and not where.is_dir():
         raise UserError(f"{run_dir} exists and is not a directory", "output.dir",
                         "Choose another output.dir; delft does not replace files.")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Before any weights load: a run directory delft could not write to is refused now, not after setup."""
+    place = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
+    if not place.is_dir():
+        raise UserError(f"{place} is a file, so {run_dir} cannot be made inside it", "output.dir",
+                        "Choose an output.dir whose parent is a directory.")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise UserError(f"{place} is not writable, so the run cannot be saved in {run_dir}", "output.dir",
+                        "Choose an output.dir in a directory you can write to.")
 
 
 # ----------------------------------------------------------------------------- schedule of batches
@@ -173,20 +194,56 @@ def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep: int) -> Path:
-    """Adapter + optimizer + scheduler + RNG, written to a temporary folder and renamed: never half-written."""
+def rng_states() -> dict:
+    import torch
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def adapter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def check_free_space(where: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise UserError(f"only {free / 2**20:,.0f} MiB are free in {where}, and the {what} needs about "
+                        f"{need / 2**20:,.0f} MiB", "output.dir",
+                        "Free some space (the last checkpoint is kept) and run the same command again to resume.")
+
+
+@contextmanager
+def no_space_is_a_user_error(tmp: Path, what: str):
+    """A full disk while writing: remove the partial temporary folder and say so, instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"the disk filled up while writing the {what} in {tmp.parent}", "output.dir",
+                        "Free some space and run the same command again; the last checkpoint is kept.") from None
+
+
+def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep: int,
+                    rng: Optional[dict] = None) -> Path:
+    """Adapter + optimizer + scheduler + RNG (``rng``: the states to resume with; default the current ones),
+    written to a temporary folder and renamed: never half-written."""
     import torch
 
     final = rundir.checkpoint_path(run_dir, step)
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
+    check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    torch.save(state, tmp / rundir.STATE_FILE)
+             "rng": rng or rng_states()}
+    with no_space_is_a_user_error(tmp, "checkpoint"):
+        model.save_pretrained(tmp)
+        torch.save(state, tmp / rundir.STATE_FILE)
+    rundir.follow_umask(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -216,11 +273,23 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     return int(state["step"])
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, forget log lines written after the checkpoint (they will be written again)."""
+def _truncate_metrics(path: Path, step: int, console: Console) -> None:
+    """On resume, forget log lines written after the checkpoint (they will be written again); a last line
+    half-written by a killed run is dropped, and said so."""
     if not path.is_file():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, ln in enumerate(lines):
+        try:
+            rows.append((ln, json.loads(ln)))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise UserError(f"{path} line {i + 1} is not JSON", "output.dir",
+                                "Fix or delete that line (it is a log; the checkpoint holds the state).") from None
+            console.print(f"[yellow]{path.name}: dropped a half-written last line (the run was stopped while "
+                          "writing it)[/]")
+    keep = [ln for ln, row in rows if isinstance(row, dict) and row.get("step", 0) <= step]
     write_atomic(path, "".join(ln + "\n" for ln in keep))
 
 
@@ -234,6 +303,17 @@ def peak_memory_gb(device: str) -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def loss_axis_limits(values: list[float]) -> tuple[float, float]:
+    """The y range that shows the curve: from 0 (or the lowest value) to a little above the 95th percentile, so
+    the first steps' high loss does not squeeze the rest into the bottom of the plot."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite:
+        return 0.0, 1.0
+    high = finite[min(len(finite) - 1, int(0.95 * len(finite)))]
+    low = min(0.0, finite[0])
+    return low, max(high * 1.15, low + 1e-3)
 
 
 def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
@@ -254,6 +334,8 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
                     alpha=0.6)
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    values = [r[k] for r in train for k in ("loss", "ce", "term")] + [r["val_loss"] for r in val]
+    ax.set_ylim(*loss_axis_limits(values))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()
@@ -263,6 +345,55 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, out)
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+class StopSignals:
+    """While training, SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt, so either one saves a
+    checkpoint and exits; inside ``atomic()`` (committing an optimizer step) the signal waits for its end, so
+    a checkpoint never holds half a step. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._deferring, self._pending, self._old = False, False, {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:  # a repeat (torchrun forwards the launcher's signal too) must not cut the save short
+            return
+        self.received = signum
+        if self._deferring:
+            self._pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    @contextmanager
+    def atomic(self):
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGINT)
 
 
 # ----------------------------------------------------------------------------- the whole run
@@ -368,6 +499,8 @@ class Trainer:
         self.metrics_path = run_dir / rundir.METRICS
         self.term_name = s.recipe.loss.type.upper() if s.recipe.loss.type != "ce" else "digit"
         self.step = 0
+        self.stops = StopSignals()
+        self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
 
     # -- run directory
 
@@ -383,8 +516,8 @@ class Trainer:
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ckpt is not None:
-            self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
-            _truncate_metrics(self.metrics_path, self.step)
+            self.step = self.resume_from(ckpt)
+            _truncate_metrics(self.metrics_path, self.step, self.console)
             earlier = rundir.read_info(self.run_dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
         write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
@@ -397,11 +530,26 @@ class Trainer:
             "data": asdict(s.stats),
             "world_size": dist.world_size()})
 
+    def resume_from(self, ckpt: Path) -> int:
+        """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
+        older = [c for c in reversed(rundir.checkpoints(self.run_dir)) if c.name < ckpt.name]
+        for candidate in [ckpt, *older]:
+            try:
+                return load_checkpoint(candidate, self.model, self.optimizer, self.scheduler)
+            except UserError:
+                raise
+            except Exception as e:  # truncated safetensors, a broken pickle, a missing file: many types
+                self.console.print(f"[yellow]checkpoint {candidate} cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120] if str(e) else ''}); trying an older one[/]")
+        raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run_dir)} can be read", "output.dir",
+                        "Pass --force to start the run over.")
+
     def save(self, status: Optional[str] = None) -> Optional[Path]:
         if not dist.is_main():
             return None
         t = self.recipe.train
-        path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints)
+        path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints,
+                               self.step_rng)
         rundir.update_info(self.run_dir, step=self.step, loss_path=self.loss.path_ran,
                            **({"status": status} if status else {}))
         return path
@@ -422,15 +570,18 @@ class Trainer:
         import torch
 
         t = self.recipe.train
+        self.step_rng = rng_states()  # an interrupt before the step commits resumes from exactly here
         batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
         dist.seed_step(t.seed, self.step)
         out = optimizer_step(self.model, batches, self.loss, self.s.device)
         dist.all_reduce_grads(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        with self.stops.atomic():
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.step_rng = None
         if not math.isfinite(out["loss"]):
             raise UserError(f"the loss became {out['loss']} at step {self.step}", "train.learning_rate",
                             "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
@@ -463,7 +614,7 @@ class Trainer:
     # -- the loop
 
     def train(self, resume_command: str) -> None:
-        """Step to the end with a live display; Ctrl-C saves a checkpoint and exits 130."""
+        """Step to the end with a live display; Ctrl-C (SIGTERM) saves a checkpoint and exits 130 (143)."""
         import torch
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -477,7 +628,7 @@ class Trainer:
         window_tokens, window_start = 0, time.perf_counter()
         with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                       TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                      console=self.console, transient=True) as progress:
+                      console=self.console, transient=True) as progress, self.stops:
             task = progress.add_task("train", total=total, completed=self.step, stats="")
             try:
                 while self.step < total:
@@ -499,10 +650,19 @@ class Trainer:
                         self.save()
             except KeyboardInterrupt:
                 progress.stop()
-                path = self.save(rundir.INTERRUPTED)
-                self.console.print(f"\n[yellow]Interrupted.[/] Saved {path} (step {self.step}/{total}). "
-                                   f"Resume with: {resume_command}")
-                raise SystemExit(130)
+                self.save_interrupted(resume_command)
+
+    def save_interrupted(self, resume_command: str) -> None:
+        """After Ctrl-C or SIGTERM: a checkpoint of the last whole step (kept when it exists), then exit."""
+        path = rundir.checkpoint_path(self.run_dir, self.step)
+        if path in rundir.checkpoints(self.run_dir):
+            rundir.update_info(self.run_dir, step=self.step, status=rundir.INTERRUPTED, loss_path=self.loss.path_ran)
+        else:
+            path = self.save(rundir.INTERRUPTED)
+        how = "Interrupted" if self.stops.received != signal.SIGTERM else "Stopped (SIGTERM)"
+        self.console.print(f"\n[yellow]{how}.[/] Saved {path} (step {self.step}/{self.schedule.total_steps}). "
+                           f"Resume with: {resume_command}")
+        raise SystemExit(self.stops.exit_code)
 
     def finish(self) -> None:
         """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
@@ -511,8 +671,11 @@ class Trainer:
         run_dir = self.run_dir
         tmp = run_dir / ".final-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.s.tokenizer.save_pretrained(tmp)
+        check_free_space(run_dir, adapter_bytes(self.model) + 2**24, "adapter and tokenizer")
+        with no_space_is_a_user_error(tmp, "adapter"):
+            self.model.save_pretrained(tmp)
+            self.s.tokenizer.save_pretrained(tmp)
+        rundir.follow_umask(tmp)
         for f in tmp.iterdir():
             os.replace(f, run_dir / f.name)
         tmp.rmdir()
@@ -527,16 +690,21 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
                  console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
     """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
     or, with ``force``, a replaced earlier run. Returns the run directory."""
+    from delft.runlock import run_lock
+
     dist.start(recipe.model.device)
     console = dist.rank_console(console or Console())
-    run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console)
-    random.seed(recipe.train.seed)
-    s = setup(recipe)
-    model, dtype, kernels = build_model(s, console)
-    describe(s, model, dtype, console)
-    trainer = Trainer(s, model, run_dir, console)
-    dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
-    trainer.open_run_dir(ckpt, replace, kernels)
-    trainer.train(resume_command)
-    trainer.finish()
+    check_replaceable(Path(recipe.output.dir))
+    check_writable(Path(recipe.output.dir))  # the lock file goes beside the run directory
+    with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
+        run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
+        random.seed(recipe.train.seed)
+        s = setup(recipe)
+        model, dtype, kernels = build_model(s, console)
+        describe(s, model, dtype, console)
+        trainer = Trainer(s, model, run_dir, console)
+        dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
+        trainer.open_run_dir(ckpt, replace, kernels)
+        trainer.train(resume_command)
+        trainer.finish()
     return run_dir

@@ -75,9 +75,9 @@ def test_overrides_parse_types_and_win(tmp_path):
 
 def test_override_typo_is_caught(tmp_path):
     with pytest.raises(UserError, match="did you mean max_steps"):
-        load_recipe(write(tmp_path, ""), ["train.max_step=5"])
+        load_recipe(write(tmp_path, "train: {}\n"), ["train.max_step=5"])
     with pytest.raises(UserError, match="KEY=VALUE"):
-        load_recipe(write(tmp_path, ""), ["train.max_steps"])
+        load_recipe(write(tmp_path, "train: {}\n"), ["train.max_steps"])
 
 
 def test_loss_weight_defaults_per_type(tmp_path):
