@@ -101,16 +101,22 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     except ValidationError as e:
         problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise UserError(f"invalid eval data: {problems}", "--data/--format", "Check --data and --format.") from None
-    if (data_cfg.source == "synthetic" and cfg.data.source == "synthetic"
-            and data_cfg.synthetic.seed == cfg.data.synthetic.seed):
-        # An eval set equal to the training problems would measure memorisation.
-        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    data_cfg = disjoint_from_training(data_cfg, cfg.data)
     if not runs and recipe_path is not None:
         finished = _finished_run(Path(cfg.output.dir))
         if finished is not None:
             console.print(f"[dim]including the finished run in {finished} (output.dir of the recipe)[/]")
             runs = [str(finished)]
     return cfg, model, data_cfg, limit, runs
+
+
+def disjoint_from_training(data_cfg, train_data):
+    """``data_cfg``, its synthetic seed moved by EVAL_SEED_OFFSET where it would repeat the training problems
+    (an eval set equal to them would measure memorisation)."""
+    if (data_cfg.source == "synthetic" and train_data.source == "synthetic"
+            and data_cfg.synthetic.seed == train_data.synthetic.seed):
+        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    return data_cfg
 
 
 def _base_from_runs(runs: Sequence[str]) -> Optional[str]:

@@ -110,6 +110,10 @@ class TrainConfig(Section):
     loss_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk of the output layer (memory vs speed).")
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger's fused linear cross-entropy on CUDA with Triton; 'off' = pure-torch chunks.")
+    accuracy_steps: int = Field(
+        0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
+    accuracy_examples: int = Field(
+        32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
 
 
 class LossConfig(Section):
