@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation, localcontext
 from typing import Iterable, Optional, Sequence
 
-from delft.digits import digits_by_place, place_name
+from delft.digits import digits_by_place, exact_context, place_name
 
 RULES = ("####", "boxed", "boxed_latex", "answer_is", "last_number", "none")
 
@@ -93,7 +93,8 @@ def canonical(value: Decimal) -> str:
     """Plain notation, no exponent, no trailing fraction zeros, no "-0": 1.500 -> "1.5", 1E+2 -> "100"."""
     if value == 0:
         return "0"
-    text = format(value.normalize(), "f")
+    with exact_context():  # normalize() rounds to the context's precision
+        text = format(value.normalize(), "f")
     return text
 
 
@@ -282,9 +283,10 @@ def tolerance_match(pred: Optional[Decimal], gold: Decimal) -> bool:
     other gold needs |pred - gold| <= 4 % of |gold|. No number is wrong."""
     if pred is None:
         return False
-    if is_integer(gold):
-        return pred.quantize(Decimal(1), rounding=ROUND_HALF_EVEN) == gold
-    return abs(pred - gold) <= RELATIVE_TOLERANCE * abs(gold)
+    with exact_context():  # quantize() fails past the context's precision
+        if is_integer(gold):
+            return pred.quantize(Decimal(1), rounding=ROUND_HALF_EVEN) == gold
+        return abs(pred - gold) <= RELATIVE_TOLERANCE * abs(gold)
 
 
 def place_correct(pred: Optional[Decimal], gold: Decimal) -> dict[int, bool]:

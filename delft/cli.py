@@ -101,6 +101,8 @@ def eval_(
     no_base: bool = typer.Option(False, "--no-base", help="Skip the base model column."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every metric and prediction here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of per-place digit accuracy."),
+    teacher: bool = typer.Option(False, "--teacher-forced", help="Also score the gold completions token by token: "
+                                 "digit accuracy and CE per place, CE / perplexity of the other tokens."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
     """Numeric accuracy of the base model and adapters, side by side."""
@@ -108,7 +110,8 @@ def eval_(
 
     recipe, runs = _split_recipe(targets or [])
     run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
-             include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console)
+             include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console,
+             teacher_forced=teacher)
 
 
 @app.command("inspect")

@@ -55,22 +55,33 @@ def _operand(rng: random.Random, cfg, decimals: int) -> Decimal:
 
 
 def synthetic_examples(cfg) -> list[Example]:
-    """Seeded arithmetic problems with exact answers (division is generated from its quotient)."""
+    """Seeded arithmetic problems with exact answers (division is generated from its quotient; "copy" asks to
+    repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits."""
+    from delft.digits import exact_context
+
     rng = random.Random(cfg.seed)
     out = []
-    for i in range(cfg.n):
-        op = rng.choice(cfg.ops)
-        decimals = rng.choice([1, 2]) if rng.random() < cfg.decimal_fraction else 0
-        a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0)
-        if op == "/":
-            b = b if b != 0 else Decimal(rng.randint(1, 9))
-            q = _operand(rng, cfg, decimals)
-            a = b * q
-        result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
-        question = f"What is {format_number(a)} {op} {format_number(b)}?"
-        answer = format_number(result)
-        out.append(Example(question, answer, answer, i))
+    with exact_context():
+        for i in range(cfg.n):
+            question, answer = _synthetic_problem(rng, cfg)
+            out.append(Example(question, answer, answer, i))
     return out
+
+
+def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
+    """(question, answer) of one problem, drawn from ``rng``."""
+    op = rng.choice(cfg.ops)
+    decimals = rng.choice([1, 2]) if rng.random() < cfg.decimal_fraction else 0
+    if op == "copy":
+        a = _operand(rng, cfg, decimals)
+        return f"Repeat {format_number(a)}", format_number(a)
+    a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0)
+    if op == "/":
+        b = b if b != 0 else Decimal(rng.randint(1, 9))
+        q = _operand(rng, cfg, decimals)
+        a = b * q
+    result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
+    return f"What is {format_number(a)} {op} {format_number(b)}?", format_number(result)
 
 
 # ----------------------------------------------------------------------------- reading rows

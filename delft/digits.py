@@ -21,6 +21,9 @@ from delft.errors import UserError
 DIGITS = "0123456789"
 RUN_CHARS = DIGITS + "."
 FRACTION_DECAY = 1.02  # DEL's fraction weights: 1.02 ** -(i + 1)
+# Significant digits for exact arithmetic on numbers: Decimal's default 28 would round a sum of two 30-digit
+# operands (and a 30-digit answer's rounding to an integer raises), so long numbers use this context instead.
+DECIMAL_PRECISION = 100
 
 
 def number_runs(chars: Sequence[Optional[str]]) -> list[tuple[int, int]]:
@@ -108,6 +111,13 @@ def place_name(place: int) -> str:
         return _INTEGER_NAMES[place - 1] if place <= len(_INTEGER_NAMES) else f"10^{place - 1}"
     i = -place
     return _FRACTION_NAMES[i - 1] if i <= len(_FRACTION_NAMES) else f"10^-{i}"
+
+
+def exact_context():
+    """A decimal context (``with exact_context(): ...``) precise enough for the longest numbers delft handles."""
+    from decimal import localcontext
+
+    return localcontext(prec=DECIMAL_PRECISION)
 
 
 def digits_by_place(value: Decimal | str | int | float) -> dict[int, str]:

@@ -46,6 +46,9 @@ class ModelResult:
     scored: list[Scored] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     vs_base: Optional[dict] = None
+    teacher: Any = None  # delft.teacher.TeacherForced with --teacher-forced
+    teacher_metrics: Optional[dict] = None
+    teacher_vs_base: Optional[dict] = None
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -98,16 +101,22 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     except ValidationError as e:
         problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise UserError(f"invalid eval data: {problems}", "--data/--format", "Check --data and --format.") from None
-    if (data_cfg.source == "synthetic" and cfg.data.source == "synthetic"
-            and data_cfg.synthetic.seed == cfg.data.synthetic.seed):
-        # An eval set equal to the training problems would measure memorisation.
-        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    data_cfg = disjoint_from_training(data_cfg, cfg.data)
     if not runs and recipe_path is not None:
         finished = _finished_run(Path(cfg.output.dir))
         if finished is not None:
             console.print(f"[dim]including the finished run in {finished} (output.dir of the recipe)[/]")
             runs = [str(finished)]
     return cfg, model, data_cfg, limit, runs
+
+
+def disjoint_from_training(data_cfg, train_data):
+    """``data_cfg``, its synthetic seed moved by EVAL_SEED_OFFSET where it would repeat the training problems
+    (an eval set equal to them would measure memorisation)."""
+    if (data_cfg.source == "synthetic" and train_data.source == "synthetic"
+            and data_cfg.synthetic.seed == train_data.synthetic.seed):
+        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    return data_cfg
 
 
 def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
@@ -191,8 +200,9 @@ def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
-                   recipe_cfg, progress=None, task=None) -> ModelResult:
-    """Load one model, answer every problem, score the answers; the model is freed afterwards."""
+                   recipe_cfg, progress=None, task=None, teacher_forced: bool = False) -> ModelResult:
+    """Load one model, answer every problem, score the answers (and with ``teacher_forced`` score the gold
+    completions, delft.teacher); the model is freed afterwards."""
     from delft.data import render_prompt, use_chat_template
     from delft.generate import free_memory, greedy, stop_strings
     from delft.models import load_for_inference
@@ -205,12 +215,23 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
         advance = (lambda n: progress.advance(task, n)) if progress is not None else None
         generations = greedy(model, tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
                              recipe_cfg.eval.batch_size, on_batch=advance)
+        teacher = _teacher_forced(model, tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
     finally:
         del model
         free_memory()
     generated = [g.text for g in generations]
     scored = [score(extract_answer(text, stops), p.gold) for text, p in zip(generated, problems)]
-    return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored)
+    return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored,
+                       teacher=teacher)
+
+
+def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):
+    from delft.digits import DigitVocab
+    from delft.teacher import teacher_forced
+
+    vocab = DigitVocab.from_tokenizer(tokenizer, purpose="--teacher-forced")
+    return teacher_forced(model, tokenizer, [p.example for p in problems], data_cfg, vocab,
+                          recipe_cfg.eval.batch_size)
 
 
 def progress_bar(console: Console):
@@ -221,7 +242,8 @@ def progress_bar(console: Console):
 
 
 def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, problems: Sequence[Problem], data_cfg,
-                    recipe_cfg, console: Console, done: Optional[list] = None) -> list[ModelResult]:
+                    recipe_cfg, console: Console, done: Optional[list] = None,
+                    teacher_forced: bool = False) -> list[ModelResult]:
     """Every (name, adapter) column in turn (one model in memory at a time), answered, scored and summarised.
 
     Each finished result is appended to ``done`` (when given) at once, so a later failure cannot lose it.
@@ -230,8 +252,12 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
     with progress_bar(console) as progress:
         for name, adapter in columns:
             task = progress.add_task(name, total=len(problems))
-            r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task)
+            r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task, teacher_forced)
             r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
+            if r.teacher is not None:
+                from delft.teacher import summarize_teacher
+
+                r.teacher_metrics = summarize_teacher(r.teacher)
             results.append(r)
     return results
 
@@ -313,11 +339,21 @@ def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional
 
 def render_table(results: Sequence[ModelResult], title: str) -> Table:
     """Models as columns, metrics as rows, the best value of each row in bold green."""
+    table = _table(results, title, metric_rows(results))
+    table.caption = ("exact: numeric equality; tolerance: integer gold needs round(pred) == gold, other gold 4 % "
+                     "relative error (DEL paper); digit places of the gold number, a missing place or no number "
+                     "counts wrong; MAE and log-MAE over answers with a number")
+    table.caption_justify = "left"
+    return table
+
+
+def _table(results: Sequence[ModelResult], title: str, rows) -> Table:
+    """``rows`` of (label, values, cells, higher_is_better) with models as columns, each row's best in green."""
     table = Table(title=title, title_justify="left", header_style="bold")
     table.add_column("metric", style="cyan", no_wrap=True)
     for r in results:
         table.add_column(r.name, justify="right")
-    for label, values, cells, higher in metric_rows(results):
+    for label, values, cells, higher in rows:
         present = [v for v in values if v is not None]
         best = None
         if len(present) > 1 and max(present) - min(present) > 1e-12:  # nothing to highlight when all tie
@@ -325,10 +361,6 @@ def render_table(results: Sequence[ModelResult], title: str) -> Table:
         styled = [f"[bold green]{c}[/]" if best is not None and v is not None and abs(v - best) < 1e-12 else c
                   for v, c in zip(values, cells)]
         table.add_row(label, *styled)
-    table.caption = ("exact: numeric equality; tolerance: integer gold needs round(pred) == gold, other gold 4 % "
-                     "relative error (DEL paper); digit places of the gold number, a missing place or no number "
-                     "counts wrong; MAE and log-MAE over answers with a number")
-    table.caption_justify = "left"
     return table
 
 
@@ -360,6 +392,8 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
                 "stop_strings": r.stop_strings,
                 "metrics": r.metrics,
                 "vs_base": r.vs_base,
+                **({"teacher_forced": {**r.teacher_metrics, "vs_base": r.teacher_vs_base}}
+                   if r.teacher_metrics is not None else {}),
                 "predictions": [prediction_record(p, pr, g, s)
                                 for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored)],
             }
@@ -395,6 +429,33 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str
     write_figure(fig, path, flag)
 
 
+def check_teacher_tokenizer(base: str) -> None:
+    """--teacher-forced needs single-token digits: say so before any model answers."""
+    from delft.digits import DigitVocab
+    from delft.models import load_tokenizer, resolve_model
+
+    DigitVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
+
+
+def print_teacher(results: Sequence[ModelResult], include_base: bool, resamples: int, console: Console) -> None:
+    """The teacher-forced table (same layout as the main one) and each run's differences from the base."""
+    from delft.teacher import difference_line, teacher_differences, teacher_rows
+
+    if include_base:
+        for r in results[1:]:
+            r.teacher_vs_base = teacher_differences(results[0].teacher, r.teacher, resamples, BOOTSTRAP_SEED)
+    first = results[0].teacher_metrics
+    title = (f"teacher-forced on the gold completions of {first['n_examples']} problems"
+             + (f" ({first['truncated']} truncated at data.max_length)" if first["truncated"] else ""))
+    table = _table(results, title, teacher_rows([r.teacher_metrics for r in results]))
+    table.caption = ("at each digit of the gold completion: argmax among the ten digits, full-vocabulary argmax, "
+                     "CE over the ten digit logits; non-digit CE / perplexity: every other completion token")
+    table.caption_justify = "left"
+    console.print(table)
+    for r in results[1:] if include_base else []:
+        console.print(difference_line(r.name, r.teacher_vs_base))
+
+
 # ---------------------------------------------------------------------------------------------- entry
 
 
@@ -417,8 +478,10 @@ def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequenc
 def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
              data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
              include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
-             overrides: Sequence[str] = (), console: Optional[Console] = None) -> list[ModelResult]:
-    """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG."""
+             overrides: Sequence[str] = (), console: Optional[Console] = None,
+             teacher_forced: bool = False) -> list[ModelResult]:
+    """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG.
+    ``teacher_forced`` adds delft.teacher's metrics on the gold completions (table, JSON, a second PNG)."""
     console = console or Console()
     cfg, base, data_cfg, limit, runs = resolve_settings(recipe_path, runs, model, data, data_format, limit,
                                                         overrides, console)
@@ -427,15 +490,17 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
                         "Give run directories, or drop --no-base.")
     check_runs(runs, base)
     check_output_files({"--json": json_out, "--plot": plot})
+    if teacher_forced:
+        check_teacher_tokenizer(base)
     problems, skipped = load_problems(data_cfg, console)
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
     title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
     settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
-                **settings_block(data_cfg, cfg, len(problems), skipped)}
+                **settings_block(data_cfg, cfg, len(problems), skipped), "teacher_forced": teacher_forced}
     done: list[ModelResult] = []
     try:
         results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg,
-                                  cfg, console, done)
+                                  cfg, console, done, teacher_forced)
     except UserError as e:
         raise keep_finished(e, done, problems, settings, json_out, console) from None
     if include_base:
@@ -448,6 +513,8 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         ci = d["ci"]
         span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
         console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
+    if teacher_forced:
+        print_teacher(results, include_base, cfg.eval.bootstrap, console)
 
     if json_out is not None:
         write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
@@ -455,4 +522,11 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     if plot is not None:
         write_plot(results, Path(plot), title)
         console.print(f"[green]wrote[/] {plot}")
+        if teacher_forced:
+            from delft.teacher import teacher_plot_path, write_teacher_plot
+
+            second = teacher_plot_path(Path(plot))
+            write_teacher_plot([r.name for r in results], [r.teacher_metrics for r in results], second,
+                               f"teacher-forced on the gold completions: {title}")
+            console.print(f"[green]wrote[/] {second}")
     return results

@@ -86,12 +86,18 @@ class LoraConfig(Section):
         "all-linear", description="'all-linear' (every linear projection except the output layer) or module names.")
 
 
+MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exact (digits.DECIMAL_PRECISION)
+
+
 class SyntheticConfig(Section):
     n: int = Field(2000, gt=0, description="Number of problems generated.")
     seed: int = Field(0, description="Generator seed (eval uses a different one so sets are disjoint).")
-    ops: list[Literal["+", "-", "*", "/"]] = Field(["+", "-", "*", "/"], min_length=1, description="Operations.")
-    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits in an operand's integer part.")
-    max_digits: int = Field(3, ge=1, le=9, description="Most digits in an operand's integer part.")
+    ops: list[Literal["+", "-", "*", "/", "copy"]] = Field(
+        ["+", "-", "*", "/"], min_length=1,
+        description="Operations; 'copy' asks to repeat one number ('Repeat 123' -> 123).")
+    min_digits: int = Field(1, ge=1, le=MAX_SYNTHETIC_DIGITS, description="Fewest digits in an operand's integer part.")
+    max_digits: int = Field(3, ge=1, le=MAX_SYNTHETIC_DIGITS,
+                            description=f"Most digits in an operand's integer part (up to {MAX_SYNTHETIC_DIGITS}).")
     decimal_fraction: float = Field(0.25, ge=0, le=1, description="Share of problems with decimal operands.")
     negative_fraction: float = Field(0.15, ge=0, le=1, description="Share of operands that are negative.")
 
@@ -144,6 +150,10 @@ class TrainConfig(Section):
     loss_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk of the output layer (memory vs speed).")
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger's fused linear cross-entropy on CUDA with Triton; 'off' = pure-torch chunks.")
+    accuracy_steps: int = Field(
+        0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
+    accuracy_examples: int = Field(
+        32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
 
 
 class LossConfig(Section):

@@ -38,7 +38,7 @@ from delft.rundir import latest_checkpoint, write_atomic
 # or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish where Liger is missing.
 RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps",
                     "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss",
-                    "eval")
+                    "train.accuracy_steps", "train.accuracy_examples", "eval")
 
 
 def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
@@ -338,7 +338,17 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
     ax.set_ylim(*loss_axis_limits(values))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    accuracy = [r for r in rows if "accuracy" in r]
+    if accuracy:  # train.accuracy_steps: held-out exact match on a second axis
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in accuracy], [100 * r["accuracy"] for r in accuracy], "s--", color="black",
+                 label="held-out exact match (%)")
+        ax2.set_ylim(0, 100)
+        ax2.set_ylabel("held-out exact match (%)")
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp.png")
@@ -501,6 +511,11 @@ class Trainer:
         self.step = 0
         self.stops = StopSignals()
         self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
+        self.heldout = None  # delft.heldout.HeldOut when train.accuracy_steps is set
+        if t.accuracy_steps:
+            from delft.heldout import HeldOut
+
+            self.heldout = HeldOut.from_recipe(s.recipe, s.tokenizer, console)
 
     # -- run directory
 
@@ -611,6 +626,14 @@ class Trainer:
         self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
                            f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
 
+    def measure_accuracy(self) -> None:
+        """Greedy exact match on the held-out slice (delft.heldout), logged and shown."""
+        row = {"step": self.step, **self.heldout.measure(self.model)}
+        self._append_metrics(row)
+        self.console.print(f"step {self.step:>5}  held-out exact match {100 * row['accuracy']:.1f} % of "
+                           f"{row['accuracy_n']}  (digits {100 * (row['digit_accuracy'] or 0):.1f} %)",
+                           highlight=False)
+
     # -- the loop
 
     def train(self, resume_command: str) -> None:
@@ -646,6 +669,8 @@ class Trainer:
                         window_tokens, window_start = 0, time.perf_counter()
                     if self.s.val and (self.step % t.eval_steps == 0 or last):
                         self.validate()
+                    if self.heldout is not None and (self.step % t.accuracy_steps == 0 or last):
+                        self.measure_accuracy()
                     if self.step % t.save_steps == 0 and not last:
                         self.save()
             except KeyboardInterrupt:

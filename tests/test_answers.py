@@ -219,3 +219,14 @@ def test_paired_difference():
     assert d["difference"] == pytest.approx(0.5)
     assert d["ci"][0] <= 0.5 <= d["ci"][1] and d["ci"][0] > 0
     assert paired_difference(a, a, resamples=100)["ci"] == [0.0, 0.0]
+
+
+def test_long_numbers_score_exactly():
+    # Past Decimal's default 28 digits: no rounding in canonical form, tolerance or places.
+    gold = Decimal("123456789012345678901234567890")
+    near = Decimal("123456789012345678901234567891")
+    assert canonical(gold) == "123456789012345678901234567890"
+    assert exact_match(gold, gold) and not exact_match(near, gold)
+    assert tolerance_match(gold, gold) and not tolerance_match(near, gold)
+    places = place_correct(near, gold)
+    assert len(places) == 30 and not places[1] and all(places[p] for p in range(2, 31))

@@ -49,6 +49,33 @@ def test_synthetic_digit_counts_are_respected():
         assert len(x) == 4 and len(y) == 4
 
 
+def test_synthetic_long_operands_are_exact():
+    # 30-digit operands overflow Decimal's default 28-digit precision: sums and differences must stay exact.
+    cfg = SyntheticConfig(n=60, min_digits=30, max_digits=30, ops=["+", "-"], decimal_fraction=0.5,
+                          negative_fraction=0.3)
+    for e in synthetic_examples(cfg):
+        x, op, y = e.prompt.removeprefix("What is ").rstrip("?").split(" ")
+        assert len(x.lstrip("-").partition(".")[0]) == 30 and len(y.lstrip("-").partition(".")[0]) == 30
+        assert _hundredths(e.answer) == _hundredths(x) + (1 if op == "+" else -1) * _hundredths(y)
+
+
+def _hundredths(text: str) -> int:
+    """A number of at most 2 decimals, times 100, by string (Decimal arithmetic would round past 28 digits)."""
+    integer, _, fraction = text.partition(".")
+    value = int(integer.lstrip("-") + fraction.ljust(2, "0"))
+    return -value if text.startswith("-") else value
+
+
+def test_synthetic_copy_repeats_the_number():
+    examples = synthetic_examples(SyntheticConfig(n=40, ops=["copy"], min_digits=20, max_digits=25))
+    for e in examples:
+        number = e.prompt.removeprefix("Repeat ")
+        assert e.prompt.startswith("Repeat ") and e.answer == e.completion == number
+        assert 20 <= len(number.lstrip("-").partition(".")[0]) <= 25
+    mixed = synthetic_examples(SyntheticConfig(n=200, ops=["+", "copy"], seed=3))
+    assert {e.prompt.split(" ")[0] for e in mixed} == {"What", "Repeat"}
+
+
 def test_format_number():
     assert [format_number(Decimal(s)) for s in ["1.50", "-0", "100", "2E+2", "0.000"]] == ["1.5", "0", "100", "200", "0"]
 

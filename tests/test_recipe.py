@@ -50,6 +50,13 @@ def test_impossible_values_are_errors(tmp_path):
         load_recipe(write(tmp_path, "train:\n  batch_size: 0\n"))
     with pytest.raises(UserError, match="min_digits"):
         load_recipe(write(tmp_path, "data:\n  synthetic:\n    min_digits: 5\n    max_digits: 2\n"))
+    with pytest.raises(UserError, match="max_digits: Input should be less than or equal to 30"):
+        load_recipe(write(tmp_path, "data:\n  synthetic:\n    max_digits: 31\n"))
+    with pytest.raises(UserError, match=r"data.synthetic.ops.0: .*'copy'"):
+        load_recipe(write(tmp_path, "data:\n  synthetic:\n    ops: [repeat]\n"))
+    long = load_recipe(write(tmp_path, "data:\n  synthetic:\n    ops: [copy, '+']\n    min_digits: 20\n"
+                                       "    max_digits: 30\n"))
+    assert long.data.synthetic.ops == ["copy", "+"] and long.data.synthetic.max_digits == 30
     with pytest.raises(UserError, match="tau only applies"):
         load_recipe(write(tmp_path, "loss:\n  type: del\n  tau: 2.0\n"))
     with pytest.raises(UserError, match="source 'synthetic' goes with format 'synthetic'"):
