@@ -627,7 +627,9 @@ class Trainer:
                            f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
 
     def measure_accuracy(self) -> None:
-        """Greedy exact match on the held-out slice (delft.heldout), logged and shown."""
+        """Greedy exact match on the held-out slice (delft.heldout), logged and shown; rank 0 alone, like validation."""
+        if not dist.is_main():
+            return
         row = {"step": self.step, **self.heldout.measure(self.model)}
         self._append_metrics(row)
         self.console.print(f"step {self.step:>5}  held-out exact match {100 * row['accuracy']:.1f} % of "

@@ -96,7 +96,7 @@ def test_a_truncated_merged_model_is_refused_by_name(tiny_model_dir, tmp_path):
 def test_a_corrupt_run_info_is_named_in_every_command(command, tiny_model_dir, run_copy, tmp_path):
     info = run_copy / RUN_INFO
     if command == "compare":  # the run compare would reuse for ce.yaml, seed 0
-        ce = recipe_file(tmp_path, tiny_model_dir, name="ce", loss={"type": "ce"})
+        recipe_file(tmp_path, tiny_model_dir, name="ce", loss={"type": "ce"})
         de = recipe_file(tmp_path, tiny_model_dir, name="del", loss={"type": "del"})
         info = Path(shutil.copytree(run_copy, tmp_path / "ce-seed0")) / RUN_INFO
     info.write_text('{"status": "completed", "base_mo')
