@@ -123,5 +123,8 @@ def test_training_with_liger_on_equals_training_with_it_off(tmp_path, tiny_model
     assert {m: i["loss_path"] for m, i in infos.items()} == {"off": "chunked_ce", "on": "fused_linear_ce"}
     assert curves["on"] == pytest.approx(curves["off"], rel=1e-4)
     a, b = adapter_weights(runs["on"]), adapter_weights(runs["off"])
+    # Adam divides by sqrt(v): an element whose gradient is near zero takes a step set by rounding, so a few
+    # elements may differ by a small part of one step (lr 1e-2); a wrong kernel moves most of them by about lr.
     for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=5e-4, msg=lambda m: f"{k}: {m}")
+        assert (a[k] - b[k]).abs().mean() < 1e-5, k
