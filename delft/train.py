@@ -47,10 +47,10 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
 
     Never overwrites a user's run without --force, and even then only later, once the model and data have
     loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
-    Called with the run directory's lock held (delft.runlock), so no other training is using it.
+    Called with the run directory's lock held (delft.runlock), so no other training is using it, and after
+    ``check_replaceable`` (run_training checks before the lock file is made beside the directory).
     """
     run_dir = Path(recipe.output.dir)
-    check_replaceable(run_dir)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     status = rundir.status(run_dir) if run_dir.is_dir() else None
