@@ -197,6 +197,21 @@ def compare(
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer)
 
 
+@app.command()
+@friendly
+def study(
+    study_file: Path = typer.Argument(..., help="A study file (recipes/study/*.study.yaml): recipes, seeds, eval sets."),
+    data_dir: Optional[Path] = typer.Option(
+        None, "--data-dir", help="Folder holding the study's data files (relative paths in it are looked up here)."),
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
+):
+    """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
+    from delft.study import run_study
+
+    run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only)
+
+
 @recipe_app.command("check")
 @friendly
 def recipe_check(

@@ -234,6 +234,19 @@ def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, rec
                           recipe_cfg.eval.batch_size)
 
 
+def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg, recipe_cfg):
+    """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it."""
+    from delft.generate import free_memory
+    from delft.models import load_for_inference
+
+    model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
+    try:
+        return _teacher_forced(model, tokenizer, problems, data_cfg, recipe_cfg)
+    finally:
+        del model
+        free_memory()
+
+
 def progress_bar(console: Console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -261,9 +261,9 @@ def _merge(base: dict, over: dict) -> dict:
     return merged
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    """Valid keys of the section that holds ``loc`` (for did-you-mean)."""
-    model: Any = Recipe
+def _fields_at(loc: tuple, root: Any = None) -> list[str]:
+    """Valid keys of the section that holds ``loc`` in ``root`` (default: Recipe), for did-you-mean."""
+    model: Any = root or Recipe
     for part in loc[:-1]:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
@@ -278,11 +278,12 @@ def _fields_at(loc: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
-def _describe(err: dict) -> str:
+def describe_error(err: dict, root: Any = None) -> str:
+    """One pydantic error as 'key: what is wrong' (unknown keys get a did-you-mean among ``root``'s keys)."""
     loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
-        valid = _fields_at(loc)
+        valid = _fields_at(loc, root)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
         return f"{key}: unknown key; {hint}"
@@ -301,7 +302,7 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(_describe(err) for err in e.errors())
+        problems = "; ".join(describe_error(err) for err in e.errors())
         raise UserError(f"invalid recipe: {problems}", where,
                         "Fix the key(s) named above; `delft recipe check FILE` validates without running.") from None
 

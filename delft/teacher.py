@@ -168,22 +168,53 @@ def _per_example(positions: Sequence[Position], n_examples: int, metric: str, sc
     return [s / scale for s in sums]
 
 
-def teacher_differences(base: TeacherForced, run: TeacherForced, resamples: int, seed: int) -> dict:
+def teacher_differences(base: TeacherForced | Sequence[TeacherForced], run: TeacherForced | Sequence[TeacherForced],
+                        resamples: int, seed: int) -> dict:
     """run minus base for every digit metric (overall and per place) and the non-digit CE, with paired
-    bootstrap intervals over the examples (both models scored the same gold tokens)."""
+    bootstrap intervals over the examples (both models scored the same gold tokens).
+
+    Either side may be a list of one model's training seeds: each example's value is then averaged over them
+    before the bootstrap, so an example is resampled once, not once per seed."""
     from delft.answers import paired_difference
 
-    a, b = _groups(base), _groups(run)
+    bases = [base] if isinstance(base, TeacherForced) else list(base)
+    runs = [run] if isinstance(run, TeacherForced) else list(run)
+    a, b = _groups(bases[0]), _groups(runs[0])
+    n = runs[0].n_examples
     out: dict = {}
     for name, ps in b.items():
         if not ps or name not in a:
             continue
         metrics = ("text_ce",) if name == "text" else DIGIT_METRICS
-        scale = len(ps) / max(1, run.n_examples)
-        out[name] = {m: paired_difference(_per_example(a[name], base.n_examples, m, scale),
-                                          _per_example(ps, run.n_examples, m, scale), resamples, seed)
+        scale = len(ps) / max(1, n)
+        out[name] = {m: paired_difference(_seed_mean(bases, name, m, scale), _seed_mean(runs, name, m, scale),
+                                          resamples, seed)
                      for m in metrics}
     return out
+
+
+def _seed_mean(models: Sequence[TeacherForced], group: str, metric: str, scale: float) -> list[float]:
+    """Per example, ``_per_example`` of one group averaged over the models (one model's training seeds)."""
+    lists = [_per_example(_groups(tf).get(group, []), tf.n_examples, metric, scale) for tf in models]
+    return [sum(xs) / len(xs) for xs in zip(*lists)]
+
+
+def mean_summaries(summaries: Sequence[dict]) -> dict:
+    """The seed mean of ``summarize_teacher`` blocks of one recipe (same gold tokens: counts are kept)."""
+    def avg(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    first = summaries[0]
+    text_ce = avg(s["text"]["ce"] for s in summaries)
+    return {
+        "n_examples": first["n_examples"], "truncated": first["truncated"], "seeds": len(summaries),
+        "digits": {"n": first["digits"]["n"], **{m: avg(s["digits"][m] for s in summaries) for m in DIGIT_METRICS}},
+        "per_place": {name: {"place": p["place"], "n": p["n"],
+                             **{m: avg(s["per_place"].get(name, {}).get(m) for s in summaries) for m in DIGIT_METRICS}}
+                      for name, p in first["per_place"].items()},
+        "text": {"n": first["text"]["n"], "ce": text_ce, "perplexity": None if text_ce is None else math.exp(text_ce)},
+    }
 
 
 # ------------------------------------------------------------------------------------------ rendering

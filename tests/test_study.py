@@ -1,0 +1,152 @@
+"""delft study: the shipped study files resolve; a tiny study end to end (greedy and teacher-forced sets, seed
+pooling, the detectable difference); refusals."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from delft.cli import app
+from delft.errors import UserError
+from delft.recipe import flat_keys, load_recipe
+from delft.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
+from tests.helpers import DATA
+
+STUDIES = sorted((Path(__file__).parent.parent / "recipes" / "study").glob("*.study.yaml"))
+QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+
+
+def quiet() -> Console:
+    return Console(width=160, record=True)
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
+def test_shipped_studies_resolve(path, tmp_path):
+    study = load_study(path)
+    assert path.read_text().startswith(f"# delft study recipes/study/{path.name}")
+    (tmp_path / "gsm8k_train.jsonl").write_text((DATA / "gsm8k_test.jsonl").read_text())  # any GSM8K rows
+    for name in ("gsm8k_test.jsonl", "svamp.json"):
+        (tmp_path / name).write_text((DATA / name).read_text())
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    names = [c.name for c in contenders]
+    assert names == ["ce", "del", "del_ref", "del_prob", "ntl_was"] and len(study.seeds) >= 3
+    quick = load_recipe(QUICKSTART).loss
+    by = {c.name: c.recipe.loss for c in contenders}
+    assert by["del_prob"] == quick  # the quickstart's own loss is one arm
+    assert by["del"].type == by["del_ref"].type == "del" and by["del_ref"].weight == pytest.approx(0.01 * 32 * 4)
+    assert by["del"].weight == load_recipe(None, ["loss.type=del"]).loss.weight  # delft's default weight
+    for c in contenders:  # each arm runs beside its study's other runs
+        assert str(c.for_seed(2).output.dir) == f"runs/study/{path.name.split('.')[0]}/{c.name}-seed2"
+    cfg0 = contenders[0].for_seed(0)
+    for name, spec in study.evals.items():
+        data = eval_data(name, spec, cfg0, tmp_path)
+        if data.source == "synthetic":
+            assert data.synthetic.seed != cfg0.data.synthetic.seed  # held out from training
+
+
+def test_worked_study_evaluates_enough_gold_solutions_with_room_to_reason():
+    study = load_study(Path(__file__).parent.parent / "recipes" / "study" / "worked.study.yaml")
+    gold = [s for s in study.evals.values() if s.mode == "teacher_forced"]
+    greedy = [s for s in study.evals.values() if s.mode == "greedy"]
+    assert gold and all(s.limit >= 300 and s.format == "gsm8k" for s in gold)
+    assert {s.format for s in greedy} == {"gsm8k", "svamp"} and all(s.max_new_tokens >= 256 for s in greedy)
+
+
+def test_mdd_is_z_level_plus_z_power_standard_errors():
+    se = 0.02
+    assert mdd([-Z_LEVEL * se, Z_LEVEL * se]) == pytest.approx((Z_LEVEL + Z_POWER) * se)
+    assert mdd(None) is None
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def tiny_study(tmp_path, tiny_model_dir):
+    rec = tmp_path / "recipes"
+    _write(rec / "base.yaml", {
+        "model": {"name": str(tiny_model_dir)},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 800, "val_size": 4},  # GSM8K in characters
+        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
+                  "save_steps": 10, "warmup_ratio": 0.0},
+        "eval": {"batch_size": 4, "bootstrap": 50},
+        "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
+    })
+    for name in ("ce", "del"):
+        _write(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
+                                      "output": {"dir": str(tmp_path / "runs" / f"{name}-seed0")}})
+    study = _write(rec / "tiny.study.yaml", {
+        "recipes": ["ce.yaml", "del.yaml"], "seeds": [0, 1], "out": str(tmp_path / "out"),
+        "evals": {"held_out": {"limit": 4, "max_new_tokens": 4},
+                  "long_gold": {"limit": 5, "mode": "teacher_forced", "synthetic": {"min_digits": 3, "max_digits": 4}},
+                  "gsm8k_gold": {"source": "gsm8k_test.jsonl", "format": "gsm8k", "limit": 3,
+                                 "mode": "teacher_forced"}}})
+    return study
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end(tmp_path, tiny_study):
+    report = run_study(tiny_study, data_dir=DATA, console=quiet())
+    out = tmp_path / "out"
+    on_disk = json.loads((out / "study.json").read_text())
+    assert on_disk["evals"].keys() == {"held_out", "long_gold", "gsm8k_gold"}
+    assert {v["status"] for v in on_disk["training"].values()} == {"trained"} and len(on_disk["training"]) == 4
+    names = ["base", "ce-seed0", "del-seed0", "ce-seed1", "del-seed1"]
+    held = on_disk["evals"]["held_out"]
+    assert [m["name"] for m in held["models"]] == names and all(len(m["predictions"]) == 4 for m in held["models"])
+    for key, n in (("long_gold", 5), ("gsm8k_gold", 3)):
+        sec = on_disk["evals"][key]
+        assert sec["settings"]["mode"] == "teacher_forced" and sec["settings"]["n"] == n
+        assert [m["name"] for m in sec["models"]] == names
+        assert all(len(m["per_example"]) == n for m in sec["models"])
+        # the pooled digit accuracy is the mean of the seeds' (same gold digits for every model)
+        seeds = [m["metrics"]["digits"]["digit_accuracy"] for m in sec["models"] if m["recipe"] == "del"]
+        pooled = sec["means"][1]
+        assert pooled["metrics"]["digits"]["digit_accuracy"] == pytest.approx(sum(seeds) / 2)
+        # ... and its difference from ce is the mean of the per-seed differences
+        per_seed = [m["vs_reference"]["digits"]["digit_accuracy"]["difference"] for m in sec["models"]
+                    if m["recipe"] == "del"]
+        assert pooled["vs_reference"]["digits"]["digit_accuracy"]["difference"] == pytest.approx(sum(per_seed) / 2)
+        # per-example records add up to the model's digit accuracy
+        m = sec["models"][1]
+        assert m["metrics"]["truncated"] == 0 and m["metrics"]["digits"]["n"] > 0
+        ok, total = sum(r["digit_ok"] for r in m["per_example"]), sum(r["digits"] for r in m["per_example"])
+        assert total == m["metrics"]["digits"]["n"] and ok / total == pytest.approx(m["metrics"]["digits"]["digit_accuracy"])
+        assert (out / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    gsm = on_disk["evals"]["gsm8k_gold"]["settings"]
+    assert gsm["data"]["source"] == str(DATA / "gsm8k_test.jsonl") and gsm["data"]["format"] == "gsm8k"
+    long = on_disk["evals"]["long_gold"]["settings"]["data"]["synthetic"]
+    assert (long["min_digits"], long["max_digits"]) == (3, 4)
+    summary = (out / "summary.md").read_text()
+    assert "#### held_out (4 problems, greedy): difference from ce" in summary
+    assert "| del | teacher-forced digit accuracy, points |" in summary and "| **del (mean)** |" in summary
+    assert "--data-dir" in on_disk["command"] and report["seconds"]["total"] > 0
+    detectable = summary.split("#### gsm8k_gold")[1].splitlines()[4].rsplit("|", 2)[1].strip()
+    assert detectable == "-" or float(detectable) >= 0
+
+    again = run_study(tiny_study, data_dir=DATA, console=quiet(), train_only=True)
+    assert again is None  # every run finished: reused, nothing retrained
+    assert json.loads((tmp_path / "runs" / "ce-seed1" / "delft_run.json").read_text())["status"] == "completed"
+
+
+def test_refuses_a_missing_data_file_before_training(tmp_path, tiny_study):
+    with pytest.raises(UserError, match="gsm8k_test.jsonl does not exist.*--data-dir"):
+        run_study(tiny_study, data_dir=tmp_path, console=quiet())
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_study_key_is_named(tmp_path, tiny_study):
+    data = yaml.safe_load(tiny_study.read_text())
+    data["evals"]["held_out"]["max_new_token"] = 3
+    bad = _write(tmp_path / "recipes" / "bad.study.yaml", data)
+    result = CliRunner().invoke(app, ["study", str(bad)])
+    assert result.exit_code == 2
+    assert "evals.held_out.max_new_token" in result.output and "Traceback" not in result.output
