@@ -6,7 +6,8 @@ import yaml
 from delft.errors import UserError
 from delft.recipe import load_recipe, parse_overrides
 
-RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml"))
+RECIPES = sorted(p for p in Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml")
+                 if not p.name.endswith(".study.yaml"))  # study files: tests/test_study.py
 
 
 def write(tmp_path, text: str) -> Path:
