@@ -44,43 +44,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class DigitTargets(NamedTuple):
-    mask: Tensor     # [B, T] bool: label is a digit; hidden[mask] / logits[mask] give the N rows, row-major
-    targets: Tensor  # [N] long, digit value 0..9
-    weights: Tensor  # [N] float32, DEL place weight
-
-
-def digit_targets(labels: Tensor, vocab: DigitVocab, weigh: Callable[[int], float] = place_weight) -> DigitTargets:
-    """Digit positions, their values and DEL place weights (``weigh(place)``); runs are found per sequence."""
-    rows = labels.tolist()
-    mask = [[False] * labels.shape[-1] for _ in rows]
-    targets: list[int] = []
-    weights: list[float] = []
-    for b, row in enumerate(rows):
-        for t, place in enumerate(vocab.places(row)):
-            if place is None:
-                continue
-            mask[b][t] = True
-            targets.append(int(vocab.char_of(row[t])))
-            weights.append(weigh(place))
-    dev = labels.device
-    return DigitTargets(torch.tensor(mask, dtype=torch.bool, device=dev).reshape(labels.shape),
-                        torch.tensor(targets, dtype=torch.long, device=dev),
-                        torch.tensor(weights, dtype=torch.float32, device=dev))
-
-
-def count_items(labels: Tensor, vocab: Optional[DigitVocab]) -> tuple[int, int]:
-    """(labelled positions, digit-labelled positions): the trainer's denominators for a whole optimizer batch.
-
-    Every digit label gets a place in digits.py, so counting digit ids equals len(digit_targets(...).targets).
-    """
-    n_labels = int((labels != IGNORE).sum())
-    if vocab is None:
-        return n_labels, 0
-    ids = torch.tensor(vocab.digit_ids, device=labels.device)
-    return n_labels, int(torch.isin(labels, ids).sum())
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Per-position terms on the ten digit logits: z [N, 10], y [N] (0..9), w [N] (place weight, DEL only) -> [N]
 # ---------------------------------------------------------------------------------------------------------

@@ -306,7 +306,8 @@ def number_targets(labels: "Tensor", vocab: NumberVocab, weigh=place_weight) -> 
     """Number-token positions, their columns and per-character place weights (``weigh(place)``, e.g. a
     ``loss.place_weights`` mode); runs per sequence, across tokens.
 
-    On a single-digit tokenizer this equals ``losses.digit_targets`` (mask, targets = gold, weights).
+    On a single-digit tokenizer this equals the per-token oracle ``digit_targets`` in tests/helpers.py (mask,
+    targets = gold, weights).
     """
     import torch
 

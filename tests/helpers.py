@@ -12,7 +12,14 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import Callable, NamedTuple, Optional
+
+import torch
 import yaml
+from torch import Tensor
+
+from delft.data import IGNORE
+from delft.digits import DigitVocab, place_weight
 
 # Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
 # ../shared beside the checkout. Sources and licenses: tests/data/README.md.
@@ -107,3 +114,44 @@ def del_step(vocab, hidden, head, labels, fused: bool):
     loss.combine(out, out.counts).backward()
     assert loss.path_ran == ("fused_linear_ce" if fused else "chunked_ce")
     return out, hidden.grad.clone(), head.weight.grad.clone()
+
+
+# ------------------------------------------------------------------- the single-digit oracle of the losses
+
+
+class DigitTargets(NamedTuple):
+    mask: Tensor     # [B, T] bool: label is a digit; hidden[mask] / logits[mask] give the N rows, row-major
+    targets: Tensor  # [N] long, digit value 0..9
+    weights: Tensor  # [N] float32, DEL place weight
+
+
+def digit_targets(labels: Tensor, vocab: DigitVocab, weigh: Callable[[int], float] = place_weight) -> DigitTargets:
+    """Digit positions, their values and DEL place weights (``weigh(place)``); runs are found per sequence."""
+    rows = labels.tolist()
+    mask = [[False] * labels.shape[-1] for _ in rows]
+    targets: list[int] = []
+    weights: list[float] = []
+    for b, row in enumerate(rows):
+        for t, place in enumerate(vocab.places(row)):
+            if place is None:
+                continue
+            mask[b][t] = True
+            targets.append(int(vocab.char_of(row[t])))
+            weights.append(weigh(place))
+    dev = labels.device
+    return DigitTargets(torch.tensor(mask, dtype=torch.bool, device=dev).reshape(labels.shape),
+                        torch.tensor(targets, dtype=torch.long, device=dev),
+                        torch.tensor(weights, dtype=torch.float32, device=dev))
+
+
+def count_items(labels: Tensor, vocab: Optional[DigitVocab]) -> tuple[int, int]:
+    """(labelled positions, digit-labelled positions): the trainer's denominators for a whole optimizer batch.
+
+    Every digit label gets a place in digits.py, so counting digit ids equals len(digit_targets(...).targets).
+    The oracle that numtokens.count_digit_chars is checked against.
+    """
+    n_labels = int((labels != IGNORE).sum())
+    if vocab is None:
+        return n_labels, 0
+    ids = torch.tensor(vocab.digit_ids, device=labels.device)
+    return n_labels, int(torch.isin(labels, ids).sum())

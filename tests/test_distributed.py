@@ -24,6 +24,14 @@ def torchrun(recipe: Path, *args: str, nproc: int = 2, **popen) -> subprocess.Po
                   "-m", "delft", "train", str(recipe), *args], **popen)
 
 
+def accelerate(recipe: Path, nproc: int = 2) -> subprocess.Popen:
+    """``accelerate launch --multi_gpu --num_processes N -m delft train RECIPE``: on a machine without GPUs
+    accelerate still starts N processes through torch.distributed.run, and delft picks gloo."""
+    return start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+                  "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+                  "-m", "delft", "train", str(recipe)])
+
+
 def start(cmd: list[str], **popen) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DELFT_DIST_TIMEOUT": "120"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
@@ -144,6 +152,23 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny
             if key in q:
                 assert r[key] == pytest.approx(q[key], rel=1e-5)
     assert out.count("done adapter") == 1  # the other rank is silent
+
+
+@pytest.mark.slow
+def test_accelerate_launch_equals_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
+    from delft.recipe import load_recipe
+    from delft.rundir import read_info
+    from delft.train import run_training
+
+    common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
+    one = recipe_file(tmp_path, tiny_model_dir, name="one", lora={"dropout": 0.0}, train={**common, "grad_accum": 2})
+    two = recipe_file(tmp_path, tiny_model_dir, name="acc", lora={"dropout": 0.0}, train={**common, "grad_accum": 1})
+    proc = accelerate(two)
+    run_training(load_recipe(one))
+    out = finished(proc)
+    assert_same_adapter(tmp_path / "one", tmp_path / "acc")
+    assert read_info(tmp_path / "acc")["world_size"] == 2 and "on 2 processes" in out
+    assert out.count("done adapter") == 1  # rank 1 is silent under accelerate too
 
 
 @pytest.mark.slow

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from delft.digits import DigitVocab, place_weight
-from delft.losses import TERMS, Counts, Loss, digit_targets, term_mean
+from delft.losses import TERMS, Counts, Loss, term_mean
 from delft.recipe import LossConfig, load_recipe
-from helpers import recipe_file
+from helpers import digit_targets, recipe_file
 from tiny import build_model, build_tokenizer
 
 VARIANTS = ["del_prob", "del_centered"]

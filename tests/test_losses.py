@@ -16,14 +16,13 @@ from delft.losses import (
     Dist2Loss,
     Loss,
     NumberTokenLoss,
-    count_items,
     del_term,
-    digit_targets,
     full_logits_loss,
     resolve_fused,
     term_mean,
 )
 from delft.recipe import LossConfig
+from helpers import count_items, digit_targets
 from tiny import build_model, build_tokenizer
 
 LN2 = math.log(2)

@@ -10,7 +10,8 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from delft.losses import TERMS, Loss, del_term, digit_logits, digit_targets, full_logits_loss
+from delft.losses import TERMS, Loss, del_term, digit_logits, full_logits_loss
+from helpers import digit_targets
 from delft.numtokens import CharTable, NumberVocab, count_digit_chars
 from tiny import build_model, build_tokenizer
 

@@ -259,15 +259,16 @@ def _labels(tokenizer, texts: list[str]) -> torch.Tensor:
 def _todays_terms_equal(tokenizer):
     """On a single-digit tokenizer, targets and DEL/NTL/DIST2 per character equal today's per-token ones."""
     from delft import losses
+    from helpers import count_items, digit_targets
 
     vocab = NumberVocab.from_tokenizer(tokenizer)
     labels = _labels(tokenizer, ["x 12.5 and 3.14159", "7 + 1,234 = 99", "no digits"])
     labels[0, 3] = -100  # an ignored label ends a run
-    old = losses.digit_targets(labels, vocab.digit_vocab())
+    old = digit_targets(labels, vocab.digit_vocab())
     new = number_targets(labels, vocab)
     assert torch.equal(new.mask, old.mask) and torch.equal(new.gold, old.targets)
     assert torch.equal(new.weights, old.weights)
-    assert count_digit_chars(labels, vocab) == losses.count_items(labels, vocab.digit_vocab())[1] == len(new.gold)
+    assert count_digit_chars(labels, vocab) == count_items(labels, vocab.digit_vocab())[1] == len(new.gold)
     model = build_model(tokenizer, hidden=16, layers=1)
     hidden = model.model(labels.clamp(min=0)).last_hidden_state
     z = losses.digit_logits(hidden[old.mask], model.lm_head, vocab.ids)

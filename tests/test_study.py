@@ -14,7 +14,7 @@ from delft.cli import app
 from delft.errors import UserError
 from delft.recipe import flat_keys, load_recipe
 from delft.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
-from tests.helpers import DATA
+from helpers import DATA
 
 STUDIES = sorted((Path(__file__).parent.parent / "recipes" / "study").glob("*.study.yaml"))
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
@@ -74,7 +74,8 @@ def tiny_study(tmp_path, tiny_model_dir):
     _write(rec / "base.yaml", {
         "model": {"name": str(tiny_model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 800, "val_size": 4},  # GSM8K in characters
+        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 800, "val_size": 4,  # GSM8K in characters
+                 "template": "plain"},  # as the shipped studies
         "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
                   "save_steps": 10, "warmup_ratio": 0.0},
         "eval": {"batch_size": 4, "bootstrap": 50},
