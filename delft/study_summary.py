@@ -102,8 +102,9 @@ def study_summary(report: dict) -> str:
              f"{secs['total'] / 60:.0f} min ({secs['training'] / 60:.0f} min of it training what was missing).", "",
              "## Losses", "", "| recipe | loss | weight | normalisation | place weights |", "|---|---|---|---|---|"]
     for name, loss in report["settings"]["losses"].items():
-        lines.append(f"| {name} | {loss['type']} | {loss.get('weight', '-')} | {loss.get('normalisation', '-')} | "
-                     f"{loss.get('place_weights', '-')} |")
+        digit = loss["type"] != "ce"  # CE alone has no digit term to weigh or normalise
+        lines.append(f"| {name} | {loss['type']} | {loss['weight'] if digit else '-'} | "
+                     f"{loss['normalisation'] if digit else '-'} | {loss['place_weights'] if digit else '-'} |")
     lines += ["", "## Differences from the reference", "",
               "Paired bootstrap over the same problems (95 % CI). Pooled: each problem's score averaged over the "
               "seeds first. Detectable: the smallest true difference this comparison finds with 80 % power at "

@@ -11,14 +11,14 @@ from typer.testing import CliRunner
 from delft.cli import app
 from delft.evaluate import run_eval
 from helpers import lora_run as _lora_run
-from tiny import save_digit_model as _digit_model
 
 FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
 
 
 @pytest.fixture(scope="module")
-def digit_model(tmp_path_factory) -> Path:
-    return _digit_model(tmp_path_factory.mktemp("digits") / "model")
+def digit_model(digit_model_path) -> Path:
+    """conftest's session-wide digit model, under this module's shorter name."""
+    return digit_model_path
 
 
 @pytest.fixture(scope="module")
