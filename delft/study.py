@@ -73,8 +73,14 @@ def load_study(path: Path) -> StudyConfig:
 
 
 def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
-    """A file source as given, or looked up in --data-dir when relative; missing files are refused now."""
-    path = Path(source)
+    """A file source as given, or looked up in --data-dir when relative; missing files are refused now. A
+    hub dataset id (no file suffix, no such path) is left to the data loader."""
+    from delft.data import LOCAL_LOADERS
+
+    path = Path(source).expanduser()
+    in_dir = data_dir is not None and (data_dir / path).exists()
+    if path.suffix.lower() not in LOCAL_LOADERS and not path.exists() and not in_dir:
+        return source
     if not path.is_absolute() and data_dir is not None:
         path = data_dir / path
     if not path.is_file():

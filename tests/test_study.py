@@ -151,3 +151,13 @@ def test_unknown_study_key_is_named(tmp_path, tiny_study):
     result = CliRunner().invoke(app, ["study", str(bad)])
     assert result.exit_code == 2
     assert "evals.held_out.max_new_token" in result.output and "Traceback" not in result.output
+
+
+def test_data_files_are_looked_up_in_data_dir_and_hub_ids_pass_through(tmp_path):
+    from delft.study import _data_file
+
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    assert _data_file("rows.jsonl", tmp_path, "evals.x.source") == str(tmp_path / "rows.jsonl")
+    assert _data_file("openai/gsm8k", tmp_path, "evals.x.source") == "openai/gsm8k"  # a hub id: the loader's job
+    with pytest.raises(UserError, match="missing.jsonl does not exist"):
+        _data_file("missing.jsonl", tmp_path, "evals.x.source")
