@@ -475,33 +475,37 @@ def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
 
 
 class _DigitLoss(nn.Module):
-    """Base: find digit labels, gather ten logit columns, average a per-position term. No lambda applied."""
+    """Base: find digit labels, gather their logit columns, average a per-character term. No lambda applied.
 
-    def __init__(self, tokenizer, vocab: Optional[DigitVocab], loss_type: str, **params):
+    Single-digit tokenizers and number tokens of 1-3 digits (Llama-3) both work: the term is per digit
+    character (delft.numtokens); tokenizers that glue digits to other characters are refused with examples.
+    """
+
+    def __init__(self, tokenizer, vocab: Optional[DigitVocab | NumberVocab], loss_type: str, **params):
         super().__init__()
         if vocab is None:
             if tokenizer is None:
-                raise ValueError("pass a tokenizer or vocab=DigitVocab(...)")
-            vocab = DigitVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
+                raise ValueError("pass a tokenizer or vocab=DigitVocab(...) / NumberVocab(...)")
+            vocab = NumberVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
         self.vocab = vocab
         self.loss = Loss(loss_type, 1.0, vocab, **params)
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """logits [B, T, V] (or [B, T, 10] digit columns) aligned with labels [B, T] -> scalar fp32 term."""
+        """logits [B, T, V] (or [B, T, n]: the number-token columns) aligned with labels [B, T] -> scalar fp32."""
         return term_mean(logits, labels, self.loss)
 
 
 class DigitEntropyLoss(_DigitLoss):
     """DEL term (without lambda): mean over digit positions x 10 candidates of w * p * BCE."""
 
-    def __init__(self, tokenizer=None, *, vocab: Optional[DigitVocab] = None):
+    def __init__(self, tokenizer=None, *, vocab: Optional[DigitVocab | NumberVocab] = None):
         super().__init__(tokenizer, vocab, "del")
 
 
 class NumberTokenLoss(_DigitLoss):
     """NTL term (without lambda): kind 'was' (Wasserstein) or 'mse', mean over digit-label positions."""
 
-    def __init__(self, tokenizer=None, kind: str = "was", *, vocab: Optional[DigitVocab] = None):
+    def __init__(self, tokenizer=None, kind: str = "was", *, vocab: Optional[DigitVocab | NumberVocab] = None):
         if kind not in ("was", "mse"):
             raise ValueError(f"kind must be 'was' or 'mse', not {kind!r}")
         super().__init__(tokenizer, vocab, f"ntl_{kind}")
@@ -510,5 +514,5 @@ class NumberTokenLoss(_DigitLoss):
 class Dist2Loss(_DigitLoss):
     """DIST2 term (without alpha): KL(q || p) with q_k proportional to exp(-(k - y)^2 / tau)."""
 
-    def __init__(self, tokenizer=None, tau: float = 1.0, *, vocab: Optional[DigitVocab] = None):
+    def __init__(self, tokenizer=None, tau: float = 1.0, *, vocab: Optional[DigitVocab | NumberVocab] = None):
         super().__init__(tokenizer, vocab, "dist2", tau=tau)

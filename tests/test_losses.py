@@ -324,9 +324,21 @@ def test_no_digit_labels_is_zero_with_grad(tok, vocab):
     out.backward()
 
 
-def test_chunked_digit_tokenizer_is_refused():
-    with pytest.raises(UserError, match="multi-digit tokens"):
-        DigitEntropyLoss(build_tokenizer(chunked_digits=True))
+def test_standalone_losses_take_number_token_tokenizers_and_refuse_glued_digits():
+    from delft.numtokens import NumberVocab
+
+    tok = build_tokenizer(chunked_digits=True)  # number tokens of several digits, as Llama-3 writes them
+    labels = labels_of(tok, "x 123 + 45.6 = 168.6")
+    logits = torch.randn(*labels.shape, len(tok), generator=torch.Generator().manual_seed(0))
+    numbers = NumberVocab.from_tokenizer(tok)
+    assert not numbers.is_single_digit
+    for module, kind, params in ((DigitEntropyLoss(tok), "del", {}), (NumberTokenLoss(tok, "was"), "ntl_was", {}),
+                                 (Dist2Loss(tok, tau=0.5), "dist2", {"tau": 0.5})):
+        want = term_mean(logits, labels, Loss(kind, 1.0, numbers, **params))
+        assert want.item() > 0
+        torch.testing.assert_close(module(logits, labels), want, rtol=0, atol=0)
+    with pytest.raises(UserError, match="glue|glued"):
+        DigitEntropyLoss(build_tokenizer(glued_digits=True))
 
 
 def test_misaligned_logits_are_refused(tok, vocab):
