@@ -202,7 +202,7 @@ def compare(
 def study(
     study_file: Path = typer.Argument(..., help="A study file (recipes/study/*.study.yaml): recipes, seeds, eval sets."),
     data_dir: Optional[Path] = typer.Option(
-        None, "--data-dir", help="Folder holding the study's data files (relative paths in it are looked up here)."),
+        None, "--data-dir", help="Folder holding the study's data files: its relative data paths are looked up here."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
 ):
