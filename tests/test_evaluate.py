@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from delft.cli import app
 from delft.evaluate import run_eval
 from helpers import lora_run as _lora_run
+from tiny import save_digit_model as _digit_model
 
 FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
 
