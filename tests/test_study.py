@@ -2,7 +2,6 @@
 pooling, the detectable difference); refusals."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
-from delft.recipe import flat_keys, load_recipe
+from delft.recipe import load_recipe
 from delft.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
 from helpers import DATA
 
