@@ -154,7 +154,7 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
                  console: Console) -> tuple[dict, list]:
     """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
     from delft.compare import reference_name
-    from delft.evaluate import BOOTSTRAP_SEED, load_problems, score_gold
+    from delft.evaluate import BOOTSTRAP_SEED, load_problems, score_gold, settings_block
     from delft.teacher import mean_summaries, summarize_teacher, teacher_differences
 
     problems, skipped = load_problems(data_cfg, console)
@@ -184,8 +184,6 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
                       "vs_base": teacher_differences([scored[("base", None)]], own, boot, BOOTSTRAP_SEED),
                       "vs_reference": None if c.name == ref else teacher_differences(
                           [scored[(ref, s)] for s in seeds], own, boot, BOOTSTRAP_SEED)})
-    from delft.evaluate import settings_block
-
     section = {"settings": {"source": data_cfg.source, "mode": "teacher_forced",
                             **settings_block(data_cfg, cfg0, len(problems), skipped), "reference": ref,
                             "seconds": round(time.perf_counter() - start, 1)},

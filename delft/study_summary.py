@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from delft.compare import _pct
+
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode.
 GREEDY_HEADLINE = (("exact_match", "exact match, points", 100), ("tolerance_match", "tolerance match, points", 100))
 TEACHER_HEADLINE = (("digits", "digit_accuracy", "teacher-forced digit accuracy, points", 100),
@@ -56,10 +58,6 @@ def headline(key: str, sec: dict, seeds: list[int]) -> list[str]:
                          + f" | {_signed(pooled, scale)} | {_mdd(pooled, scale)} |")
     lines.append("")
     return lines
-
-
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
 
 
 def _nats(x: Optional[float]) -> str:

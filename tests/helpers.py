@@ -26,6 +26,13 @@ from delft.digits import DigitVocab, place_weight
 DATA = Path(__file__).resolve().parent / "data"
 
 
+def write_yaml(path: Path, data: dict) -> Path:
+    """``data`` as YAML at ``path`` (parents created); returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path:
     """A recipe for a few-step LoRA run of ``model_dir`` on synthetic sums, written to ``tmp_path/name.yaml``.
 
@@ -41,9 +48,7 @@ def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path
     }
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return path
+    return write_yaml(tmp_path / f"{name}.yaml", base)
 
 
 def adapter_weights(run_dir: Path) -> dict:

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -12,6 +11,7 @@ from delft.cli import app
 from delft.compare import resolve_contenders, run_compare
 from delft.recipe import flat_keys
 from delft.errors import UserError
+from helpers import write_yaml
 
 COMPARE = Path(__file__).parent.parent / "recipes" / "compare"
 
@@ -36,15 +36,9 @@ def test_shipped_compare_recipes_differ_only_in_loss():
     assert contenders[0].for_seed(1).train.seed == 1
 
 
-def _write(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 @pytest.fixture
 def tiny_recipes(tmp_path, tiny_model_dir):
-    base = _write(tmp_path / "recipes" / "base.yaml", {
+    base = write_yaml(tmp_path / "recipes" / "base.yaml", {
         "model": {"name": str(tiny_model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 40, "val_size": 4},
@@ -53,9 +47,9 @@ def tiny_recipes(tmp_path, tiny_model_dir):
         "eval": {"limit": 4, "max_new_tokens": 4, "batch_size": 4, "bootstrap": 20},
         "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
     })
-    ce = _write(tmp_path / "recipes" / "ce.yaml", {"base": "base.yaml", "loss": {"type": "ce"},
+    ce = write_yaml(tmp_path / "recipes" / "ce.yaml", {"base": "base.yaml", "loss": {"type": "ce"},
                                                    "output": {"dir": str(tmp_path / "runs" / "ce-seed0")}})
-    de = _write(tmp_path / "recipes" / "del.yaml", {"base": "base.yaml", "loss": {"type": "del"},
+    de = write_yaml(tmp_path / "recipes" / "del.yaml", {"base": "base.yaml", "loss": {"type": "del"},
                                                     "output": {"dir": str(tmp_path / "runs" / "del-seed0")}})
     svamp = tmp_path / "svamp.json"
     svamp.write_text(json.dumps([{"ID": f"x{i}", "Body": f"Tom has {i + 2} apples and buys {i} more.",
@@ -116,21 +110,21 @@ def test_tiny_compare_end_to_end_and_rerun_reproduces(tmp_path, tiny_recipes):
 
 def test_refuses_recipes_that_differ_beyond_the_loss(tmp_path, tiny_recipes):
     _, ce, _, _ = tiny_recipes
-    other = _write(tmp_path / "recipes" / "other.yaml", {"base": "base.yaml", "loss": {"type": "dist2"},
+    other = write_yaml(tmp_path / "recipes" / "other.yaml", {"base": "base.yaml", "loss": {"type": "dist2"},
                                                          "train": {"max_steps": 3, "learning_rate": 0.02}})
     with pytest.raises(UserError) as e:
         run_compare([ce, other], out=tmp_path / "out", console=quiet(), no_transfer=True)
     msg = str(e.value)
     assert "differ in more than their loss" in msg and "train.max_steps" in msg and "train.learning_rate" in msg
     assert not (tmp_path / "runs").exists()  # refused before any training
-    twin = _write(tmp_path / "recipes" / "ce2.yaml", {"base": "base.yaml", "loss": {"type": "ce"}})
+    twin = write_yaml(tmp_path / "recipes" / "ce2.yaml", {"base": "base.yaml", "loss": {"type": "ce"}})
     with pytest.raises(UserError, match="same loss"):
         resolve_contenders([ce, twin], [], quiet())
 
 
 def test_cli_compare_refusal_exits_2(tmp_path, tiny_recipes):
     _, ce, _, _ = tiny_recipes
-    other = _write(tmp_path / "recipes" / "wide.yaml", {"base": "base.yaml", "loss": {"type": "del"},
+    other = write_yaml(tmp_path / "recipes" / "wide.yaml", {"base": "base.yaml", "loss": {"type": "del"},
                                                         "lora": {"r": 8}})
     r = CliRunner().invoke(app, ["compare", str(ce), str(other), "--no-transfer", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "lora.r" in r.output and "Traceback" not in r.output

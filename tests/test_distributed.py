@@ -131,7 +131,8 @@ def test_ranks_of_the_test_batch_hold_different_digit_counts(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("launch", [torchrun, accelerate], ids=["torchrun", "accelerate"])
+def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch):
     from delft.recipe import load_recipe
     from delft.rundir import read_info
     from delft.train import run_training
@@ -139,11 +140,11 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny
     common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
     one = recipe_file(tmp_path, tiny_model_dir, name="one", lora={"dropout": 0.0}, train={**common, "grad_accum": 2})
     two = recipe_file(tmp_path, tiny_model_dir, name="two", lora={"dropout": 0.0}, train={**common, "grad_accum": 1})
-    proc = torchrun(two)
+    proc = launch(two)
     run_training(load_recipe(one))
     out = finished(proc)
     assert_same_adapter(tmp_path / "one", tmp_path / "two")
-    assert read_info(tmp_path / "two")["world_size"] == 2
+    assert read_info(tmp_path / "two")["world_size"] == 2 and "on 2 processes" in out
     rows = [json.loads(ln) for ln in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(ln) for ln in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [r["step"] for r in ref]  # rank 0 alone wrote the log, once per step
@@ -152,23 +153,6 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny
             if key in q:
                 assert r[key] == pytest.approx(q[key], rel=1e-5)
     assert out.count("done adapter") == 1  # the other rank is silent
-
-
-@pytest.mark.slow
-def test_accelerate_launch_equals_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
-    from delft.recipe import load_recipe
-    from delft.rundir import read_info
-    from delft.train import run_training
-
-    common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
-    one = recipe_file(tmp_path, tiny_model_dir, name="one", lora={"dropout": 0.0}, train={**common, "grad_accum": 2})
-    two = recipe_file(tmp_path, tiny_model_dir, name="acc", lora={"dropout": 0.0}, train={**common, "grad_accum": 1})
-    proc = accelerate(two)
-    run_training(load_recipe(one))
-    out = finished(proc)
-    assert_same_adapter(tmp_path / "one", tmp_path / "acc")
-    assert read_info(tmp_path / "acc")["world_size"] == 2 and "on 2 processes" in out
-    assert out.count("done adapter") == 1  # rank 1 is silent under accelerate too
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from delft.cli import app
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
-from helpers import DATA
+from helpers import DATA, write_yaml
 
 STUDIES = sorted((Path(__file__).parent.parent / "recipes" / "study").glob("*.study.yaml"))
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
@@ -61,16 +61,10 @@ def test_mdd_is_z_level_plus_z_power_standard_errors():
     assert mdd(None) is None
 
 
-def _write(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 @pytest.fixture
 def tiny_study(tmp_path, tiny_model_dir):
     rec = tmp_path / "recipes"
-    _write(rec / "base.yaml", {
+    write_yaml(rec / "base.yaml", {
         "model": {"name": str(tiny_model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 800, "val_size": 4,  # GSM8K in characters
@@ -81,9 +75,9 @@ def tiny_study(tmp_path, tiny_model_dir):
         "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
     })
     for name in ("ce", "del"):
-        _write(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
+        write_yaml(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
                                       "output": {"dir": str(tmp_path / "runs" / f"{name}-seed0")}})
-    study = _write(rec / "tiny.study.yaml", {
+    study = write_yaml(rec / "tiny.study.yaml", {
         "recipes": ["ce.yaml", "del.yaml"], "seeds": [0, 1], "out": str(tmp_path / "out"),
         "evals": {"held_out": {"limit": 4, "max_new_tokens": 4},
                   "long_gold": {"limit": 5, "mode": "teacher_forced", "synthetic": {"min_digits": 3, "max_digits": 4}},
@@ -146,7 +140,7 @@ def test_refuses_a_missing_data_file_before_training(tmp_path, tiny_study):
 def test_unknown_study_key_is_named(tmp_path, tiny_study):
     data = yaml.safe_load(tiny_study.read_text())
     data["evals"]["held_out"]["max_new_token"] = 3
-    bad = _write(tmp_path / "recipes" / "bad.study.yaml", data)
+    bad = write_yaml(tmp_path / "recipes" / "bad.study.yaml", data)
     result = CliRunner().invoke(app, ["study", str(bad)])
     assert result.exit_code == 2
     assert "evals.held_out.max_new_token" in result.output and "Traceback" not in result.output
