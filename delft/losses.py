@@ -97,10 +97,29 @@ def del_prob_term(z: Tensor, y: Tensor, w: Tensor) -> Tensor:
     z, y = _prep(z, y)
     log_p = torch.log_softmax(z, dim=-1)
     hit = F.one_hot(y, 10).to(torch.bool)
-    # log(1 - p_k) from log p_k without cancellation (p_k near 1); clamped so log1mexp(0) is finite
-    log_miss = torch.log(-torch.expm1(log_p.clamp(max=-1e-7)))
-    bce = -torch.where(hit, log_p, log_miss)
+    bce = -torch.where(hit, log_p, log_miss(z))
     return w.to(z) * (log_p.exp().detach() * bce).mean(dim=-1)
+
+
+def log_miss(z: Tensor) -> Tensor:
+    """log(1 - p_k) for every k of z [N, 10]: logsumexp of the other nine logits minus logsumexp of all ten.
+
+    Exact where p_k rounds to 1. The usual log(-expm1(log p_k)) cancels there: log p_k loses its digits once a
+    wrong digit is ~15 nats ahead (fp32), and the correct digit's gradient is cut when it is needed most.
+    """
+    others = z.unsqueeze(-2).expand(*z.shape[:-1], 10, 10)
+    eye = torch.eye(10, dtype=torch.bool, device=z.device)
+    return torch.logsumexp(others.masked_fill(eye, float("-inf")), dim=-1) - torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+def expected(z: Tensor, values: Tensor) -> Tensor:
+    """E_p[values] over the digit softmax of z [N, 10], values [N, 10], centred on the most likely digit's value.
+
+    The same number as (softmax(z) * values).sum(-1), but its gradient p_j (v_j - E[v]) no longer subtracts two
+    nearly equal numbers when one digit holds almost all the mass (autograd's softmax backward would).
+    """
+    anchor = values.gather(-1, z.argmax(dim=-1, keepdim=True))
+    return (torch.softmax(z, dim=-1) * (values - anchor)).sum(dim=-1) + anchor.squeeze(-1)
 
 
 @term_of("del_centered")
@@ -122,7 +141,7 @@ def ntl_was_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     """NTL-WAS: sum_k p_k |k - y| (w unused)."""
     z, y = _prep(z, y)
     k = torch.arange(10, device=z.device, dtype=z.dtype)
-    return (torch.softmax(z, dim=-1) * (k - y.to(z.dtype)[:, None]).abs()).sum(dim=-1)
+    return expected(z, (k - y.to(z.dtype)[:, None]).abs())
 
 
 @term_of("ntl_mse")
@@ -130,7 +149,7 @@ def ntl_mse_term(z: Tensor, y: Tensor, w: Optional[Tensor] = None) -> Tensor:
     """NTL-MSE: (sum_k p_k k - y)^2 (w unused)."""
     z, y = _prep(z, y)
     k = torch.arange(10, device=z.device, dtype=z.dtype)
-    return ((torch.softmax(z, dim=-1) * k).sum(dim=-1) - y.to(z.dtype)) ** 2
+    return (expected(z, k.expand_as(z)) - y.to(z.dtype)) ** 2
 
 
 @term_of("dist2")
