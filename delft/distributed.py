@@ -188,12 +188,13 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
 
-def global_sums(sums, counts, tokens: int):
-    """(Sums over all ranks with the global counts, tokens over all ranks): what the log and tok/s report."""
+def global_sums(sums, tokens: int):
+    """(this step's delft.losses.Sums added over all ranks, tokens over all ranks): what the log and tok/s
+    report. The whole object goes in one all-reduce (``Sums.as_floats``), so no field is dropped."""
     if world_size() == 1:
         return sums, tokens
-    ce, term, tok = all_reduce_floats([sums.ce, sums.term, float(tokens)])
-    return type(sums)(ce, term, counts), int(tok)
+    *values, tok = all_reduce_floats([*sums.as_floats(), float(tokens)])
+    return type(sums).from_floats(values), int(tok)
 
 
 # ----------------------------------------------------------------------------- resume across world sizes

@@ -287,6 +287,19 @@ class Sums:
         return Sums(_scalar(self.ce), _scalar(self.term), self.counts, _scalar(self.term_means), self.micro,
                     self.digit_logit, self.p_digit)
 
+    def as_floats(self) -> list[float]:
+        """Every field as one flat list (counts included), so ranks can sum the whole object in one all-reduce:
+        a field added here cannot be left out of the distributed log."""
+        d = self.detach()
+        return [d.ce, d.term, float(d.counts.labels), float(d.counts.digits), d.term_means, float(d.micro),
+                d.digit_logit, d.p_digit]
+
+    @classmethod
+    def from_floats(cls, v: list[float]) -> "Sums":
+        """The inverse of ``as_floats`` (counts back to integers)."""
+        ce, term, labels, digits, term_means, micro, digit_logit, p_digit = v
+        return cls(ce, term, Counts(round(labels), round(digits)), term_means, round(micro), digit_logit, p_digit)
+
 
 def digit_stats(z: Tensor, y: Tensor) -> tuple[float, float]:
     """(sum over rows of the mean raw digit logit, sum of P(y | the ten digits)) of z [N, 10]: for the log."""
@@ -306,7 +319,8 @@ class Loss:
     NumberVocab (delft.numtokens); the digit term is per digit character either way (``numbers``).
 
     ``normalisation`` 'global' (delft) or 'reference' (the DEL reference under HF Trainer: see ``means``);
-    ``grad_accum`` and ``world_size`` only matter for 'reference'. ``place_weights`` / ``place_weight_cap``
+    ``grad_accum`` and ``world_size`` only matter for 'reference'. ``world_size`` is the number of processes
+    whose gradients are summed into one optimizer step (delft.distributed): the reference's GPU count. ``place_weights`` / ``place_weight_cap``
     choose the place weight (delft.digits.place_weight) that the DEL forms read.
     """
 
@@ -334,7 +348,7 @@ class Loss:
 
     @classmethod
     def from_config(cls, loss_cfg, vocab: Optional[DigitVocab | NumberVocab], chunk_size: int = 1024,
-                    fused: bool = False, grad_accum: int = 1):
+                    fused: bool = False, grad_accum: int = 1, world_size: int = 1):
         """From a recipe.LossConfig; vocab may be None only for type 'ce'."""
         kind = LOSS_TYPES[loss_cfg.type]
         if kind.has_term and vocab is None:
@@ -342,15 +356,16 @@ class Loss:
                             "vocabulary was found", fix="Use a tokenizer that writes numbers with digit-only tokens "
                             "or set loss.type: ce.")
         return cls(loss_cfg.type, loss_cfg.weight or 0.0, vocab, chunk_size=chunk_size, fused=fused,
-                   normalisation=loss_cfg.normalisation, grad_accum=grad_accum,
+                   normalisation=loss_cfg.normalisation, grad_accum=grad_accum, world_size=world_size,
                    place_weights=loss_cfg.place_weights, place_weight_cap=loss_cfg.place_weight_cap,
                    **{p: getattr(loss_cfg, p) for p in kind.params})
 
     @classmethod
-    def from_recipe(cls, recipe, vocab: Optional[DigitVocab | NumberVocab], device) -> "Loss":
-        """The recipe's loss on ``device`` (raises UserError for train.fused_loss 'on' where Liger cannot run)."""
+    def from_recipe(cls, recipe, vocab: Optional[DigitVocab | NumberVocab], device, world_size: int = 1) -> "Loss":
+        """The recipe's loss on ``device`` for a run on ``world_size`` processes (raises UserError for
+        train.fused_loss 'on' where Liger cannot run)."""
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
-                               resolve_fused(recipe.train.fused_loss, device), recipe.train.grad_accum)
+                               resolve_fused(recipe.train.fused_loss, device), recipe.train.grad_accum, world_size)
 
     @property
     def has_term(self) -> bool:
@@ -441,14 +456,17 @@ class Loss:
                 "p_digit": sums.p_digit / n if n else None}
 
     def combine(self, sums: Sums, counts: Counts):
-        """The loss to back-propagate for one micro-batch's ``sums`` in an optimizer batch with ``counts``.
+        """The loss to back-propagate for one micro-batch's ``sums`` in an optimizer batch with ``counts``
+        (the whole step's counts, over every micro-batch and rank).
 
-        'reference': the micro-batch adds lambda x world_size x its own term mean (HF Trainer neither divides
-        by the accumulation steps nor normalises the term globally), so over the step that is ``means``' loss.
+        'reference': the micro-batch adds lambda x its own term mean (HF Trainer neither divides by the
+        accumulation steps nor normalises the term globally). delft sums the ranks' gradients where DDP
+        averages them and the Trainer multiplies by the process count, so the step's gradient is that of
+        lambda x grad_accum x world_size x (mean of all micro-batch means): ``means``' loss.
         """
         if self.normalisation == REFERENCE:
             ce = sums.ce / max(1, counts.labels)
-            return ce + self.weight * self.world_size * sums.term_means if self.weight > 0 and counts.digits else ce
+            return ce + self.weight * sums.term_means if self.weight > 0 and counts.digits else ce
         return self.means(sums, counts)["loss"]
 
 

@@ -169,7 +169,7 @@ def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
         loss.combine(sums, counts).backward()
         total = total + sums.detach()
     tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
-    total, tokens = dist.global_sums(total, counts, tokens)  # all ranks' batches (one process: unchanged)
+    total, tokens = dist.global_sums(total, tokens)  # all ranks' batches (one process: unchanged)
     return {**loss.means(total, counts), "tokens": tokens, "n_digits": counts.digits}
 
 
@@ -441,7 +441,7 @@ def setup(recipe: Recipe) -> Setup:
             vocab = NumberVocab.from_tokenizer(tokenizer)
         except UserError:
             vocab = None  # CE needs no digit tokens; counts are just not reported
-    loss = Loss.from_recipe(recipe, vocab, device)
+    loss = Loss.from_recipe(recipe, vocab, device, dist.world_size())
     train, val, stats = build_datasets(recipe.data, tokenizer, recipe.train.seed,
                                        set(vocab.ids) if vocab else None)
     return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)

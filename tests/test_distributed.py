@@ -130,16 +130,24 @@ def test_ranks_of_the_test_batch_hold_different_digit_counts(tmp_path, tiny_mode
 # ----------------------------------------------------------------------------- slow: real torchrun runs
 
 
+LOGGED = ("loss", "ce", "term", "digit_logit", "p_digit", "val_loss", "val_ce", "val_term")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [torchrun, accelerate], ids=["torchrun", "accelerate"])
-def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch):
+@pytest.mark.parametrize("launch,normalisation", [(torchrun, "global"), (accelerate, "global"),
+                                                  (torchrun, "reference")],
+                         ids=["torchrun", "accelerate", "torchrun-reference"])
+def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch, normalisation):
     from delft.recipe import load_recipe
     from delft.rundir import read_info
     from delft.train import run_training
 
     common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
-    one = recipe_file(tmp_path, tiny_model_dir, name="one", lora={"dropout": 0.0}, train={**common, "grad_accum": 2})
-    two = recipe_file(tmp_path, tiny_model_dir, name="two", lora={"dropout": 0.0}, train={**common, "grad_accum": 1})
+    loss = {"type": "del_prob", "weight": 0.5, "normalisation": normalisation}
+    one = recipe_file(tmp_path, tiny_model_dir, name="one", lora={"dropout": 0.0}, loss=loss,
+                      train={**common, "grad_accum": 2})
+    two = recipe_file(tmp_path, tiny_model_dir, name="two", lora={"dropout": 0.0}, loss=loss,
+                      train={**common, "grad_accum": 1})
     proc = launch(two)
     run_training(load_recipe(one))
     out = finished(proc)
@@ -148,10 +156,15 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny
     rows = [json.loads(ln) for ln in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(ln) for ln in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [r["step"] for r in ref]  # rank 0 alone wrote the log, once per step
+    seen = set()
     for r, q in zip(rows, ref):
-        for key in ("loss", "val_loss"):
+        assert set(r) == set(q)
+        for key in LOGGED:
             if key in q:
-                assert r[key] == pytest.approx(q[key], rel=1e-5)
+                seen.add(key)
+                assert q[key] is not None and q[key] != 0, (key, q)  # a field that could be dropped is not 0
+                assert r[key] == pytest.approx(q[key], rel=1e-5), (key, r["step"], r[key], q[key])
+    assert seen == set(LOGGED)
     assert out.count("done adapter") == 1  # the other rank is silent
 
 

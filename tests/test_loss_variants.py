@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from delft.digits import DigitVocab, place_weight
-from delft.losses import TERMS, Counts, Loss, term_mean
+from delft.losses import TERMS, Counts, Loss, Sums, term_mean
 from delft.recipe import LossConfig, load_recipe
 from helpers import digit_targets, recipe_file
 from tiny import build_model, build_tokenizer
@@ -230,22 +230,30 @@ def test_reference_normalisation_equals_hf_trainer(digits):
         shards = [batches[d * ga:(d + 1) * ga] for d in range(world)]
         ref = simulate_hf_trainer(lm_head, shards, vocab, lam)[0]
         loss = Loss("del", lam, vocab, normalisation="reference", grad_accum=ga, world_size=world)
-        device_grads = []
-        for shard in shards:  # delft on each device's share: equal label counts, so the mean is DDP's average
+        # delft's data-parallel step: counts over every rank first, each rank backward on its share, then the
+        # ranks' gradients and Sums are summed (delft.distributed.all_reduce_grads / global_sums)
+        counts = sum((loss.count(lab) for shard in shards for _, lab in shard), Counts(0, 0))
+        device_grads, total = [], Sums(0.0, 0.0, Counts(0, 0))
+        for shard in shards:
             lm_head.zero_grad()
-            counts = sum((loss.count(lab) for _, lab in shard), Counts(0, 0))
-            total = None
             for hidden, labels in shard:
                 s = loss.sums(hidden, lm_head, labels)
                 loss.combine(s, counts).backward()
-                total = s.detach() if total is None else total + s.detach()
+                total = total + s.detach()
             device_grads.append(lm_head.weight.grad.clone())
-            m = loss.means(total, counts)
-            # the step's reported loss: CE per label + lambda x GA x world x mean of micro-batch means
-            per_micro = [term_mean(lm_head(h), lab, Loss("del", 1.0, vocab)).item() for h, lab in shard]
-            assert m["term"] == pytest.approx(sum(per_micro) / ga, rel=1e-5)
-            assert m["loss"] == pytest.approx(m["ce"] + lam * ga * world * m["term"], rel=1e-6)
-        torch.testing.assert_close(sum(device_grads) / world, ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(sum(device_grads), ref, rtol=1e-5, atol=1e-7)
+        m = loss.means(total, counts)
+        # the step's reported loss: CE per label + lambda x GA x world x mean of all micro-batch means
+        per_micro = [term_mean(lm_head(h), lab, Loss("del", 1.0, vocab)).item() for sh in shards for h, lab in sh]
+        assert m["term"] == pytest.approx(sum(per_micro) / (ga * world), rel=1e-5)
+        assert m["loss"] == pytest.approx(m["ce"] + lam * ga * world * m["term"], rel=1e-6)
+        # and the reported loss is the one whose gradient this is: d(loss)/dW by autograd on all micro-batches
+        lm_head.zero_grad()
+        ce_all = sum(F.cross_entropy(lm_head(h).flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="sum")
+                     for sh in shards for h, lab in sh) / counts.labels
+        mean_all = sum(term_mean(lm_head(h), lab, Loss("del", 1.0, vocab)) for sh in shards for h, lab in sh)
+        (ce_all + lam * ga * world * mean_all / (ga * world)).backward()
+        torch.testing.assert_close(lm_head.weight.grad, ref, rtol=1e-5, atol=1e-7)
     # delft's default is not that: each digit counts once, whatever the micro-batch
     glob = Loss("del", lam, vocab)
     lm_head.zero_grad()
@@ -253,6 +261,17 @@ def test_reference_normalisation_equals_hf_trainer(digits):
     for hidden, labels in batches[:ga]:
         glob.combine(glob.sums(hidden, lm_head, labels), counts).backward()
     assert not torch.allclose(lm_head.weight.grad, simulate_hf_trainer(lm_head, [batches[:ga]], vocab, lam)[0])
+
+
+def test_sums_travel_whole_through_the_all_reduce_list():
+    """distributed.global_sums sums ``as_floats``: every field must be in it and come back."""
+    import dataclasses
+
+    s = Sums(1.5, 2.5, Counts(7, 3), 0.25, 2, -4.0, 1.75)
+    values = s.as_floats()
+    assert Sums.from_floats(values) == s
+    assert len(values) == len(dataclasses.fields(Sums)) + 1  # counts are two numbers
+    assert Sums.from_floats([a + b for a, b in zip(values, values)]) == s + s
 
 
 def test_reference_normalisation_from_the_recipe(digits, tmp_path, tiny_model_dir):
