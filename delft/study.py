@@ -31,6 +31,7 @@ STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 # The minimal detectable difference: a two-sided 5 % test with 80 % power sees a true difference of
 # (z_0.975 + z_0.8) standard errors; the standard error is read off the paired bootstrap's 95 % interval.
 Z_LEVEL, Z_POWER = 1.959964, 0.841621
+UNDETECTABLE = float("inf")  # mdd of a comparison whose answers never differ: it can detect nothing
 
 
 class EvalSet(Section):
@@ -133,10 +134,15 @@ def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_d
 
 
 def mdd(ci: Optional[Sequence[float]]) -> Optional[float]:
-    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power."""
+    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power;
+    None without an interval, and ``UNDETECTABLE`` when the interval has no width: no pair of answers differed
+    (every model scored 0, say), so the set carries no information about a difference, not perfect power."""
     if not ci:
         return None
-    return (Z_LEVEL + Z_POWER) * (ci[1] - ci[0]) / (2 * Z_LEVEL)
+    width = ci[1] - ci[0]
+    if width <= 0:
+        return UNDETECTABLE
+    return (Z_LEVEL + Z_POWER) * width / (2 * Z_LEVEL)
 
 
 def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, base: str, contenders, seeds,

@@ -26,7 +26,11 @@ def _mdd(d: Optional[dict], scale: float) -> str:
     from delft.study import mdd
 
     value = mdd(d.get("ci")) if d else None
-    return "-" if value is None else f"{scale * value:.{1 if scale == 100 else 3}f}"
+    if value is None:
+        return "-"
+    if value == float("inf"):
+        return "cannot detect (no answers differ)"
+    return f"{scale * value:.{1 if scale == 100 else 3}f}"
 
 
 def _pick(diff: Optional[dict], mode: str, spec: tuple) -> Optional[dict]:

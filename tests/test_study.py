@@ -61,6 +61,23 @@ def test_mdd_is_z_level_plus_z_power_standard_errors():
     assert mdd(None) is None
 
 
+def test_a_set_where_every_model_scores_zero_cannot_detect_a_difference():
+    from delft.answers import paired_difference
+    from delft.study_summary import headline
+
+    zero = paired_difference([False] * 50, [False] * 50)
+    assert zero["ci"] == [0.0, 0.0] and mdd(zero["ci"]) == float("inf")
+    some = paired_difference([False] * 50, [True] * 5 + [False] * 45)
+    sec = {"settings": {"mode": "greedy", "reference": "ce", "n": 50},
+           "models": [{"recipe": "del", "seed": 0, "vs_reference": {"exact_match": zero}}],
+           "means": [{"name": "ce", "vs_reference": None},
+                     {"name": "del", "vs_reference": {"exact_match": zero, "tolerance_match": some}}]}
+    rows = [ln for ln in headline("probe", sec, [0]) if ln.startswith("| del |")]
+    exact, tolerance = (r.rsplit("|", 2)[1].strip() for r in rows)
+    assert exact == "cannot detect (no answers differ)"  # not "0.0", which would read as perfect power
+    assert float(tolerance) > 0
+
+
 @pytest.fixture
 def tiny_study(tmp_path, tiny_model_dir):
     rec = tmp_path / "recipes"
@@ -124,7 +141,7 @@ def test_tiny_study_end_to_end(tmp_path, tiny_study):
     assert "| del | teacher-forced digit accuracy, points |" in summary and "| **del (mean)** |" in summary
     assert "--data-dir" in on_disk["command"] and report["seconds"]["total"] > 0
     detectable = summary.split("#### gsm8k_gold")[1].splitlines()[4].rsplit("|", 2)[1].strip()
-    assert detectable == "-" or float(detectable) >= 0
+    assert detectable in ("-", "cannot detect (no answers differ)") or float(detectable) > 0
 
     again = run_study(tiny_study, data_dir=DATA, console=quiet(), train_only=True)
     assert again is None  # every run finished: reused, nothing retrained
