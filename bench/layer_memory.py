@@ -73,7 +73,7 @@ def build(shape: str, liger: bool):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from delft.models import apply_liger_layers, apply_lora
+    from delft.models.loading import apply_liger_layers, apply_lora
     from delft.recipe import LoraConfig
 
     H, I, heads, kv = SHAPES[shape]
@@ -119,7 +119,7 @@ def _measure(shape: str, liger: bool, tokens: int) -> dict:
 
 
 def main():
-    from delft.triton_cpu import patch_interpreter
+    from delft.losses.triton_cpu import patch_interpreter
 
     quiet()
     patch_interpreter()

@@ -34,7 +34,7 @@ def build():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from delft.data import IGNORE
+    from delft.numbers.tokens import IGNORE
 
     torch.manual_seed(SETUP["seed"])
     cfg = LlamaConfig(vocab_size=SETUP["vocab"], hidden_size=SETUP["hidden"], intermediate_size=SETUP["intermediate"],
@@ -60,8 +60,8 @@ def build():
 
 def step_fn(config, model, ids, labels):
 
-    from delft.digits import DigitVocab
-    from delft.losses import Loss
+    from delft.numbers.digits import DigitVocab
+    from delft.losses.loss import Loss
 
     vocab = DigitVocab(DIGIT_IDS, DOT_ID)
     loss_fn = Loss("del", 0.3, vocab, chunk_size=SETUP["chunk_size"]) if config == "delft_ce_del" else \

@@ -153,7 +153,7 @@ def cpu_recipe(loss: str, packing: bool = False):
 def cpu_items():
     """delft's tokenized examples (plain template, completion-only labels) and the pad id."""
 
-    from delft.train import setup
+    from delft.training.setup import setup
 
     s = setup(cpu_recipe("del"))
     return s, s.train, s.tokenizer.pad_token_id
@@ -163,7 +163,7 @@ def pad_to(batch: dict, width: int, pad_id: int) -> dict:
     """delft.data.collate pads to the longest row; the benchmark pads every config to the same width."""
     import torch
 
-    from delft.data import IGNORE
+    from delft.numbers.tokens import IGNORE
 
     n = batch["input_ids"].shape[1]
     if n >= width:
@@ -223,17 +223,18 @@ def run_delft(spec: dict) -> dict:
     from rich.console import Console
 
     from delft.data import collate, collate_packed
-    from delft.loss_types import FUSED_CE
-    from delft.losses import Loss
-    from delft.train import optimizer_step
+    from delft.losses.types import FUSED_CE
+    from delft.losses.loss import Loss
+    from delft.training.step import optimizer_step
 
     config, gpu = spec["config"], spec["gpu"]
     loss_type = "ce" if config.startswith("delft_ce") else "del"
     packed = config.endswith("_packed")
     quiet = Console(file=open(os.devnull, "w"))
     if gpu:
-        from delft.digits import DigitVocab
-        from delft.models import ModelRef, apply_liger_layers, apply_lora, load_model
+        from delft.numbers.digits import DigitVocab
+        from delft.models.sources import ModelRef
+        from delft.models.loading import apply_liger_layers, apply_lora, load_model
         from delft.recipe import validate_recipe
 
         size = spec["size"]
@@ -252,7 +253,7 @@ def run_delft(spec: dict) -> dict:
         model = apply_lora(model, recipe.lora, True)
         batches = gpu_batch(size, spec["warmup"] + spec["steps"])
     else:
-        from delft.train import build_model, setup
+        from delft.training.setup import build_model, setup
 
         recipe = cpu_recipe(loss_type, packed)
         s = setup(recipe)
@@ -294,8 +295,9 @@ def run_paired(spec: dict) -> dict:
     from rich.console import Console
 
     from delft.data import collate, collate_packed
-    from delft.losses import Loss
-    from delft.train import build_model, optimizer_step, setup
+    from delft.losses.loss import Loss
+    from delft.training.setup import build_model, setup
+    from delft.training.step import optimizer_step
 
     quiet = Console(file=open(os.devnull, "w"))
     recipe = cpu_recipe("del")
@@ -375,8 +377,8 @@ def peer_model(spec: dict):
         rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
         tokens = positions = [b["input_ids"].numel() for b in batches]
     else:
-        from delft.data import IGNORE
-        from delft.models import resolve_model
+        from delft.numbers.tokens import IGNORE
+        from delft.models.sources import resolve_model
 
         s, items, pad = cpu_items()
         path = resolve_model(CPU_SETUP["model"]).path

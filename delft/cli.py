@@ -77,9 +77,9 @@ def train(
     nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes (one per GPU), via torchrun."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
-    from delft.distributed import launched, relaunch, strip_nproc, world_size
+    from delft.training.distributed import launched, relaunch, strip_nproc, world_size
     from delft.recipe import load_recipe
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     cfg = load_recipe(recipe, set_)
     if nproc > 1:
@@ -106,7 +106,7 @@ def eval_(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
     """Numeric accuracy of the base model and adapters, side by side."""
-    from delft.evaluate import run_eval
+    from delft.evaluation.command import run_eval
 
     recipe, runs = _split_recipe(targets or [])
     run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
@@ -128,7 +128,7 @@ def inspect_(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
     """Per-digit probability tables for one prompt: where the model is sure, where it hesitates."""
-    from delft.inspect import run_inspect
+    from delft.inspection.command import run_inspect
 
     *rest, prompt = targets
     recipe, runs = _split_recipe(rest)
@@ -162,8 +162,8 @@ def export(
         help="Load the GGUF files in llama.cpp and compare logits (default: when llama-cpp-python is installed)."),
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
-    from delft.export import run_export
-    from delft.gguf import export_gguf, prepare_gguf
+    from delft.export.merge import run_export
+    from delft.export.gguf import export_gguf, prepare_gguf
 
     plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force)
     result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
@@ -190,7 +190,7 @@ def compare(
         False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
-    from delft.compare import run_compare
+    from delft.experiments.compare import run_compare
 
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
@@ -207,7 +207,7 @@ def study(
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
-    from delft.study import run_study
+    from delft.experiments.study import run_study
 
     run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only)
 
@@ -230,7 +230,7 @@ def recipe_check(
     console.print(f"[green]ok[/] {recipe}: valid recipe")
     console.print(Syntax(dump_recipe(cfg), "yaml", theme="ansi_dark", background_color="default"))
     if plan:
-        from delft.plan import run_plan
+        from delft.training.plan import run_plan
 
         run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
 

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import socket
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from delft.errors import UserError
-from delft.models import HUB_ID
+from delft.numbers.tokens import IGNORE
 
-IGNORE = -100  # label of a position without a target (prompt, padding, packing boundaries): torch's ignore_index
-# Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
-EVAL_SEED_OFFSET = 1_000_003
+HUB_ID = r"[\w.-]+/[\w.-]+"  # org/name: what delft treats as a hub id (models and datasets)
 LOCAL_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -57,7 +57,7 @@ def _operand(rng: random.Random, cfg, decimals: int) -> Decimal:
 def synthetic_examples(cfg) -> list[Example]:
     """Seeded arithmetic problems with exact answers (division is generated from its quotient; "copy" asks to
     repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits."""
-    from delft.digits import exact_context
+    from delft.numbers.digits import exact_context
 
     rng = random.Random(cfg.seed)
     out = []
@@ -167,10 +167,9 @@ def _load_hub_rows(cfg, where: str) -> list[dict]:
 
     import datasets
 
-    from delft.models import _hub_reachable
 
     if os.environ.get("HF_DATASETS_OFFLINE") != "1" and os.environ.get("HF_HUB_OFFLINE") != "1" \
-            and not _hub_reachable():
+            and not hub_reachable():
         os.environ["HF_DATASETS_OFFLINE"] = "1"  # use the local cache only; fail fast instead of retrying
     try:
         ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split)
@@ -431,3 +430,14 @@ def collate_packed(items: list[Tokenized], pad_id: int, row_length: int) -> dict
         if at < width:  # padding continues as its own "example"
             pos[i, at:] = torch.arange(width - at)
     return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (or HF_ENDPOINT) answers on port 443 within ``timeout`` seconds."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = re.sub(r"^https?://", "", endpoint).split("/")[0].split(":")[0]
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False

@@ -14,10 +14,12 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from delft.data import EVAL_SEED_OFFSET
 from delft.errors import UserError
-from delft.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
-from delft.loss_types import GLOBAL, LOSS_TYPES, NORMALISATIONS
+from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
+from delft.losses.types import GLOBAL, LOSS_TYPES, NORMALISATIONS
+
+# Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
+EVAL_SEED_OFFSET = 1_000_003
 
 
 class Section(BaseModel):

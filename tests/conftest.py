@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Run Liger's Triton kernels on the CPU (tests/test_liger.py). Must be set before Triton decorates them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
-    from delft.triton_cpu import patch_interpreter
+    from delft.losses.triton_cpu import patch_interpreter
 
     patch_interpreter()
 except ImportError:  # liger-kernel / Triton not installed: tests/test_liger.py fails and says so

@@ -18,8 +18,8 @@ import torch
 import yaml
 from torch import Tensor
 
-from delft.data import IGNORE
-from delft.digits import DigitVocab, place_weight
+from delft.numbers.tokens import IGNORE
+from delft.numbers.digits import DigitVocab, place_weight
 
 # Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
 # ../shared beside the checkout. Sources and licenses: tests/data/README.md.
@@ -111,7 +111,7 @@ def read_only_dir(path: Path):
 def del_step(vocab, hidden, head, labels, fused: bool):
     """One DEL micro-batch through delft.losses.Loss on the fused (Liger) or chunked CE path, backward taken:
     (its Sums, the gradients of ``hidden`` and of ``head.weight``); checks the path that ran."""
-    from delft.losses import Loss
+    from delft.losses.loss import Loss
 
     hidden.grad, head.weight.grad = None, None
     loss = Loss("del", 0.3, vocab, chunk_size=5, fused=fused)

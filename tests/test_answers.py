@@ -4,9 +4,8 @@ from decimal import Decimal
 
 import pytest
 
-from delft.answers import (PLAIN_STOP_STRINGS, Extraction, bootstrap_ci, canonical, cut_at_stop, exact_match,
-                           extract_answer, paired_difference, parse_number, place_correct, score, signed_log,
-                           summarize, tolerance_match)
+from delft.numbers.answers import PLAIN_STOP_STRINGS, Extraction, canonical, cut_at_stop, exact_match, extract_answer, parse_number, place_correct, score, signed_log, tolerance_match
+from delft.evaluation.metrics import bootstrap_ci, paired_difference, summarize
 
 D = Decimal
 

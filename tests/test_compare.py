@@ -8,7 +8,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from delft.cli import app
-from delft.compare import resolve_contenders, run_compare
+from delft.experiments.compare import resolve_contenders, run_compare
 from delft.recipe import flat_keys
 from delft.errors import UserError
 from helpers import write_yaml

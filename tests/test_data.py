@@ -186,7 +186,7 @@ def test_all_masked_dataset_is_refused(tmp_path, tiny_tokenizer):
 
 
 def test_counts_and_split(tiny_tokenizer):
-    from delft.digits import DigitVocab
+    from delft.numbers.digits import DigitVocab
 
     vocab = DigitVocab.from_tokenizer(tiny_tokenizer)
     train, val, stats = build_datasets(cfg(synthetic=SyntheticConfig(n=40), val_size=0.25), tiny_tokenizer, 0,

@@ -63,7 +63,7 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 600)
 
 
 def test_each_rank_takes_a_disjoint_share_of_every_optimizer_batch(monkeypatch):
-    from delft import distributed as dist
+    from delft.training import distributed as dist
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     shares = {}
@@ -75,7 +75,7 @@ def test_each_rank_takes_a_disjoint_share_of_every_optimizer_batch(monkeypatch):
 
 def test_schedule_counts_optimizer_batches_of_all_ranks(tmp_path, tiny_model_dir):
     from delft.recipe import load_recipe
-    from delft.train import make_schedule
+    from delft.training.schedule import make_schedule
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir, train={"max_steps": None, "epochs": 1,
                                                                       "grad_accum": 2}))
@@ -84,7 +84,7 @@ def test_schedule_counts_optimizer_batches_of_all_ranks(tmp_path, tiny_model_dir
 
 
 def test_nproc_is_stripped_before_relaunch():
-    from delft.distributed import strip_nproc
+    from delft.training.distributed import strip_nproc
 
     assert strip_nproc(["train", "r.yaml", "--nproc", "2", "--force", "--nproc=3"]) == ["train", "r.yaml", "--force"]
 
@@ -92,7 +92,7 @@ def test_nproc_is_stripped_before_relaunch():
 def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, tiny_model_dir, monkeypatch):
     from rich.console import Console
 
-    from delft.distributed import check_resume
+    from delft.training.distributed import check_resume
     from delft.errors import UserError
     from delft.recipe import load_recipe
 
@@ -111,9 +111,11 @@ def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, ti
 def test_ranks_of_the_test_batch_hold_different_digit_counts(tmp_path, tiny_model_dir, monkeypatch):
     """The equivalence below is only a test of the count all-reduce if the ranks' shares differ in digits."""
     from delft.data import collate
-    from delft.distributed import micro_indices
+    from delft.training.distributed import micro_indices
     from delft.recipe import load_recipe
-    from delft.train import make_schedule, micro_batch_items, setup, targets
+    from delft.training.schedule import make_schedule, micro_batch_items
+    from delft.training.setup import setup
+    from delft.training.step import targets
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir, lora={"dropout": 0.0}))
     s = setup(recipe)
@@ -140,7 +142,7 @@ LOGGED = ("loss", "ce", "term", "digit_logit", "p_digit", "val_loss", "val_ce", 
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch, normalisation):
     from delft.recipe import load_recipe
     from delft.rundir import read_info
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
     loss = {"type": "del_prob", "weight": 0.5, "normalisation": normalisation}
@@ -210,7 +212,7 @@ def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, tiny_mode
 def test_plan_per_gpu_adds_only_nccl_buffers_for_several_processes(tmp_path, tiny_model_dir):
     from rich.console import Console
 
-    from delft.plan import NCCL_BUFFERS, run_plan
+    from delft.training.plan import NCCL_BUFFERS, run_plan
     from delft.recipe import load_recipe
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir))

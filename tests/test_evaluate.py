@@ -9,7 +9,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from delft.cli import app
-from delft.evaluate import run_eval
+from delft.evaluation.command import run_eval
 from helpers import lora_run as _lora_run
 from tiny import save_digit_model as _digit_model
 
@@ -67,8 +67,8 @@ def test_eval_base_and_adapter_json(digit_model, lora_run, tmp_path):
 
 def test_batched_generation_matches_one_by_one(digit_model):
     """Left padding + KV cache: a batch gives the same greedy answers as one prompt at a time."""
-    from delft.generate import greedy
-    from delft.models import load_for_inference
+    from delft.evaluation.generation import greedy
+    from delft.models.loading import load_for_inference
 
     model, tok = load_for_inference(str(digit_model), device="cpu")
     prompts = [f"<|user|>What is {q}?</s>\n<|assistant|>" for q in ("1 + 1", "12 * 345", "9", "-7.5 / 2.5")]

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
-from delft.export import (MARKER, _describe_merge, dequantize_nf4, eval_headline, nf4_roundtrip,
-                          quantized_linear_names, run_export)
+from delft.export.merge import MARKER, _describe_merge, run_export
+from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
+from delft.export.report import eval_headline
 from tiny import save_tiny
 
 PROMPT = "Compute 408 / 17 and 9.75 * 4."  # not one of the export's own check prompts
@@ -31,7 +32,7 @@ EVAL_JSON = {"models": [{"name": "base", "metrics": {"n": 64, "exact_match": 0.2
 @pytest.fixture(scope="module")
 def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from delft.recipe import load_recipe
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     root = tmp_path_factory.mktemp("export")
     recipe = {"model": {"name": str(tiny_model_dir), "device": "cpu"}, "quantization": {"mode": "none"},
@@ -263,16 +264,16 @@ def test_refuses_adapter_of_another_base(run_dir, tmp_path):
 
 
 def test_refuses_when_disk_is_short(run_dir, tmp_path, monkeypatch):
-    import delft.export as export
+    import delft.export.checks as export_checks
 
-    monkeypatch.setattr(export.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(export_checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(UserError, match="not enough free disk space"):
         run_export(run_dir, tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
 def test_interrupted_export_leaves_nothing(run_dir, tmp_path, monkeypatch):
-    import delft.export as export
+    import delft.export.merge as export
 
     def boom(*a, **k):
         raise KeyboardInterrupt

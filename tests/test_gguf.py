@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError, VerificationError
-from delft.gguf import (CONVERTER_FILES, MARKER, MODELFILE, TOLERANCE, _extract_converter, compare,
-                        ollama_modelfile, parse_types, prepare_gguf)
+from delft.export.gguf import CONVERTER_FILES, MARKER, MODELFILE, TOLERANCE, _extract_converter, compare, ollama_modelfile, parse_types, prepare_gguf
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
@@ -119,7 +118,7 @@ def test_prepare_refuses_before_any_download(tmp_path, monkeypatch):
 def smol_run(tmp_path_factory) -> Path:
     """SmolLM2-135M trained two steps (the packaged quickstart recipe, shortened)."""
     from delft.recipe import load_recipe
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     root = tmp_path_factory.mktemp("gguf")
     quickstart = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
@@ -242,8 +241,8 @@ def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_m
 @pytest.mark.slow
 @pytest.mark.gguf
 def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_path, monkeypatch):
-    import delft.gguf as gguf
-    from delft.export import ExportResult
+    import delft.export.gguf as gguf
+    from delft.export.merge import ExportResult
 
     out, res = smol_export
     assert res.exit_code == 0, res.output

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import delft.train as train_mod
+import delft.training.report as train_report
+import delft.training.step as train_step
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import CHECKPOINTS, METRICS, RUN_INFO, checkpoints, latest_checkpoint, read_info
-from delft.train import run_training
+from delft.training.trainer import run_training
 from helpers import adapter_weights, recipe_file
 
 
@@ -145,7 +146,7 @@ def assert_same_adapter(expected: dict, run_dir: Path) -> None:
 
 def interrupt_in_forward(monkeypatch, at_call: int) -> None:
     """Ctrl-C inside the at_call-th training forward pass, after its dropout has drawn random numbers."""
-    real, calls = train_mod.forward_sums, {"n": 0}
+    real, calls = train_step.forward_sums, {"n": 0}
 
     def forward(model, batch, loss):
         out = real(model, batch, loss)
@@ -155,7 +156,7 @@ def interrupt_in_forward(monkeypatch, at_call: int) -> None:
                 raise KeyboardInterrupt
         return out
 
-    monkeypatch.setattr(train_mod, "forward_sums", forward)
+    monkeypatch.setattr(train_step, "forward_sums", forward)
 
 
 def test_ctrl_c_inside_a_step_with_dropout_resumes_exactly(tmp_path, tiny_model_dir, straight, monkeypatch):
@@ -309,9 +310,9 @@ def test_sigkill_anywhere_resumes_to_the_same_adapter(tmp_path, tiny_model_dir, 
 
 
 def test_loss_curve_axis_is_not_set_by_the_first_points():
-    low, high = train_mod.loss_axis_limits([9.9, 7.0] + [1.0 + 0.01 * i for i in range(60)])
+    low, high = train_report.loss_axis_limits([9.9, 7.0] + [1.0 + 0.01 * i for i in range(60)])
     assert low == 0 and 1.5 < high < 2.5
-    assert train_mod.loss_axis_limits([]) == (0.0, 1.0)
+    assert train_report.loss_axis_limits([]) == (0.0, 1.0)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
@@ -327,7 +328,7 @@ def test_output_dir_in_a_read_only_directory(tmp_path, tiny_model_dir):
 
 
 def test_only_rank_zero_takes_the_lock(tmp_path, monkeypatch):
-    from delft.runlock import lock_path, run_lock
+    from delft.training.lock import lock_path, run_lock
 
     run = tmp_path / "run"
     with run_lock(run) as first:
@@ -351,7 +352,7 @@ def test_run_dir_under_a_file_and_a_corrupt_run_info(tmp_path, tiny_model_dir):
 
 
 def test_model_cache_conversion_keeps_a_copy_another_process_finished(tmp_path, monkeypatch):
-    from delft.models import _publish, usable_cache_dir
+    from delft.models.sources import _publish, usable_cache_dir
     from delft.rundir import MODEL_CONFIG
 
     target = tmp_path / "cache" / "m"

@@ -194,7 +194,7 @@ def test_export_refuses_an_out_another_export_is_writing(tiny_lora_run, tmp_path
 
 
 def test_an_out_filled_meanwhile_is_kept_and_so_is_this_export(tmp_path):
-    from delft.export import _swap_into_place
+    from delft.export.merge import _swap_into_place
 
     out, tmp = tmp_path / "merged", tmp_path / ".merged.tmp-1-x"
     out.mkdir()
@@ -253,7 +253,7 @@ def test_recipe_check_plan_names_a_corrupt_config(tiny_model_dir, tmp_path):
 
 
 def test_compare_report_skips_a_damaged_metrics_line(tmp_path):
-    from delft.compare import _last_rows
+    from delft.experiments.compare import _last_rows
     from delft.rundir import METRICS
 
     (tmp_path / METRICS).write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 1.5}\n{"step": 3, "lo\xff')

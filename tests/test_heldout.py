@@ -6,9 +6,9 @@ import pytest
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.evaluate import run_eval
+from delft.evaluation.command import run_eval
 from delft.recipe import load_recipe
-from delft.train import run_training
+from delft.training.trainer import run_training
 from helpers import recipe_file
 
 

@@ -9,9 +9,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from delft.digits import DIGITS, DigitVocab
+from delft.numbers.digits import DIGITS, DigitVocab
 from delft.errors import UserError
-from delft import inspect as di
+import delft.inspection.command as inspect_command
+from delft.inspection.command import run_inspect
+from delft.inspection.records import check_target, compute_records, greedy_answer, label_positions, numbers_of
+from delft.inspection.render import fmt_argmax, fmt_entropy, fmt_pct, fmt_prob, fmt_token
 
 PROMPT = "What is 5 + 7?"
 
@@ -103,7 +106,7 @@ def test_teacher_forced_records_match_full_forward(tiny):
     model, tok = tiny
     prompt_text = chat_prompt(tok)
     answer = tok.encode("-1,234.56 ok", add_special_tokens=False)
-    records = di.compute_records(model, tok, prompt_text, answer)
+    records = compute_records(model, tok, prompt_text, answer)
     digits, mass, tok_p, full = reference(model, tok, prompt_text, answer)
     assert len(records) == len(answer)
     for i, r in enumerate(records):
@@ -120,7 +123,7 @@ def test_teacher_forced_records_match_full_forward(tiny):
     assert shown == [("1", "digit", "thousands"), ("2", "digit", "hundreds"), ("3", "digit", "tens"),
                      ("4", "digit", "units"), (".", "point", None), ("5", "digit", "tenths"),
                      ("6", "digit", "hundredths")]
-    numbers = di.numbers_of(records)
+    numbers = numbers_of(records)
     assert [n.text for n in numbers] == ["-1,234.56"]
 
 
@@ -128,11 +131,11 @@ def test_fallback_without_logits_to_keep_gives_the_same_numbers(tiny, monkeypatc
     model, tok = tiny
     prompt_text = chat_prompt(tok)
     answer = tok.encode("391", add_special_tokens=False)
-    expected = di.compute_records(model, tok, prompt_text, answer)
+    expected = compute_records(model, tok, prompt_text, answer)
     import inspect as pyinspect
 
     monkeypatch.setattr(pyinspect, "signature", lambda f: types.SimpleNamespace(parameters={}))
-    got = di.compute_records(model, tok, prompt_text, answer)
+    got = compute_records(model, tok, prompt_text, answer)
     for a, b in zip(expected, got):
         assert a.probs == pytest.approx(b.probs, abs=1e-5)
         assert a.token_prob == pytest.approx(b.token_prob, abs=1e-6)
@@ -144,9 +147,9 @@ def test_greedy_records_match_full_forward(digit_model_dir):
     model = AutoModelForCausalLM.from_pretrained(digit_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(digit_model_dir)
     prompt_text = chat_prompt(tok)
-    answer = di.greedy_answer(model, tok, prompt_text, 6, chat=True).answer_ids
+    answer = greedy_answer(model, tok, prompt_text, 6, chat=True).answer_ids
     assert 0 < len(answer) <= 6
-    records = di.compute_records(model, tok, prompt_text, answer)
+    records = compute_records(model, tok, prompt_text, answer)
     digits, mass, tok_p, full = reference(model, tok, prompt_text, answer)
     assert any(r.kind == "digit" for r in records)
     for i, r in enumerate(records):
@@ -154,7 +157,7 @@ def test_greedy_records_match_full_forward(digit_model_dir):
         assert r.probs == pytest.approx(digits[i].tolist(), abs=1e-5)
         assert r.digit_mass == pytest.approx(mass[i].item(), abs=1e-5)
         assert r.token_prob == pytest.approx(tok_p[i].item(), abs=1e-6)
-        assert di.fmt_argmax(r) == ""
+        assert fmt_argmax(r) == ""
 
 
 def test_places_dots_and_separators(tiny_tokenizer):
@@ -163,7 +166,7 @@ def test_places_dots_and_separators(tiny_tokenizer):
     def label(text):
         ids = tiny_tokenizer.encode(text, add_special_tokens=False)
         texts = [tiny_tokenizer.decode([t]) for t in ids]
-        kind, number, place = di.label_positions(ids, texts, vocab)
+        kind, number, place = label_positions(ids, texts, vocab)
         return [(c, k, n, p) for c, k, n, p in zip(texts, kind, number, place) if k]
 
     assert label("It is 391.") == [("3", "digit", 0, 3), ("9", "digit", 0, 2), ("1", "digit", 0, 1)]
@@ -183,7 +186,7 @@ def test_table_and_json_agree(tiny_model_dir, tmp_path):
     console = Console(record=True, width=200)
     out = tmp_path / "out.json"
     plot = tmp_path / "plots" / "out.png"
-    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "12.5", 8, out, plot, [], console)
+    result = run_inspect(None, PROMPT, str(tiny_model_dir), [], "12.5", 8, out, plot, [], console)
     text = console.export_text()
     data = json.loads(out.read_text())
     assert plot.stat().st_size > 1000
@@ -201,9 +204,9 @@ def test_table_and_json_agree(tiny_model_dir, tmp_path):
     assert set(rows) == {"tens", "units", "point", "tenths"}
     for p in number["positions"]:
         row = rows[p["place_name"] or "point"]
-        expected = [di.fmt_prob(q, marked=(d == p["digit"])) for d, q in enumerate(p["probs"])]
+        expected = [fmt_prob(q, marked=(d == p["digit"])) for d, q in enumerate(p["probs"])]
         assert row[:10] == expected
-        assert row[10:] == [di.fmt_entropy(p["entropy"]), di.fmt_pct(p["digit_mass"]), di.fmt_pct(p["token_prob"])]
+        assert row[10:] == [fmt_entropy(p["entropy"]), fmt_pct(p["digit_mass"]), fmt_pct(p["token_prob"])]
         if p["digit"] is not None:
             assert row[p["digit"]].startswith("[") and sum(c.startswith("[") for c in row[:10]) == 1
             assert p["char"] == str(p["digit"])
@@ -216,18 +219,18 @@ def test_table_and_json_agree(tiny_model_dir, tmp_path):
 
 def test_narrow_console_keeps_every_digit_cell(tiny_model_dir):
     console = Console(record=True, width=80)
-    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "-1,234.5", 4, None, None, [], console)
+    result = run_inspect(None, PROMPT, str(tiny_model_dir), [], "-1,234.5", 4, None, None, [], console)
     text = console.export_text()
     assert "…" not in text
     header = next(line for line in text.splitlines() if line.split()[:1] == ["place"])
     assert header.split()[:15] == ["place", *DIGITS, "H", "P(d)", "p(t)", "argmax"]
     rows = table_lines(text)
     for r in result.models[0].numbers[0].rows:
-        assert rows[r.place_name or "point"][:10] == [di.fmt_prob(q, r.digit == d) for d, q in enumerate(r.probs)]
+        assert rows[r.place_name or "point"][:10] == [fmt_prob(q, r.digit == d) for d, q in enumerate(r.probs)]
 
 
 def test_plain_template_prompt(tiny_model_dir):
-    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], "7", 4, None, None, ["data.template=plain"],
+    result = run_inspect(None, PROMPT, str(tiny_model_dir), [], "7", 4, None, None, ["data.template=plain"],
                             Console(record=True, width=200))
     assert result.models[0].template == "plain"
     assert result.models[0].prompt_text == PROMPT + "\n"
@@ -235,7 +238,7 @@ def test_plain_template_prompt(tiny_model_dir):
 
 def test_greedy_run_renders_the_answer(digit_model_dir):
     console = Console(record=True, width=200)
-    result = di.run_inspect(None, PROMPT, str(digit_model_dir), [], None, 5, None, None, [], console)
+    result = run_inspect(None, PROMPT, str(digit_model_dir), [], None, 5, None, None, [], console)
     text = console.export_text()
     assert result.mode == "greedy" and result.has_digits
     assert f"greedy answer of {digit_model_dir.name}" in text
@@ -248,24 +251,24 @@ def test_greedy_run_renders_the_answer(digit_model_dir):
 @pytest.mark.parametrize("bad", ["abc", "3/4", "12 apples", "1,23", "", "$5", "1e5"])
 def test_target_not_a_number(bad, tiny_model_dir):
     with pytest.raises(UserError, match="target is not a number"):
-        di.run_inspect(None, PROMPT, str(tiny_model_dir), [], bad, 4, None, None, [], Console(record=True))
+        run_inspect(None, PROMPT, str(tiny_model_dir), [], bad, 4, None, None, [], Console(record=True))
 
 
 @pytest.mark.parametrize("good", ["391", "-3.5", "1,234", "+0.25", ".5", " 7 "])
 def test_target_numbers_accepted(good):
-    assert di.check_target(good) == good.strip()
+    assert check_target(good) == good.strip()
 
 
 def test_answer_without_digits(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
-    from delft.generate import Generation
+    from delft.evaluation.generation import Generation
 
     ids = tiny_tokenizer.encode("no idea", add_special_tokens=False)
-    monkeypatch.setattr(di, "greedy_answer", lambda model, tok, prompt_text, n, chat: Generation(
+    monkeypatch.setattr(inspect_command, "greedy_answer", lambda model, tok, prompt_text, n, chat: Generation(
         ids, ids, "no idea", "no idea"))
     console = Console(record=True, width=200)
     out = tmp_path / "none.json"
     plot = tmp_path / "none.png"
-    result = di.run_inspect(None, PROMPT, str(tiny_model_dir), [], None, 8, out, plot, [], console)
+    result = run_inspect(None, PROMPT, str(tiny_model_dir), [], None, 8, out, plot, [], console)
     text = console.export_text()
     assert not result.has_digits
     assert "the answer has no digits" in text and "--target" in text and "'no idea'" in text
@@ -278,9 +281,9 @@ def test_two_digit_tokens_get_a_row_per_character(tmp_path):
 
     path = save_tiny(tmp_path / "chunked", chunked_digits=True, hidden=16, layers=1)
     console = Console(record=True, width=200)
-    result = di.run_inspect(None, PROMPT, str(path), [], "123.45", 4, None, None, [], console)
+    result = run_inspect(None, PROMPT, str(path), [], "123.45", 4, None, None, [], console)
     rows = result.models[0].numbers[0].rows
-    assert [(di.fmt_token(r), r.place_name) for r in rows] == [
+    assert [(fmt_token(r), r.place_name) for r in rows] == [
         ("[1]2", "hundreds"), ("1[2]", "tens"), ("3", "units"), (".", None), ("[4]5", "tenths"),
         ("4[5]", "hundredths")]
     assert all(sum(r.probs) == pytest.approx(1.0, abs=1e-5) for r in rows)
@@ -293,14 +296,14 @@ def test_glued_digit_tokenizer_is_refused(tmp_path):
 
     path = save_tiny(tmp_path / "glued", glued_digits=True, hidden=16, layers=1)
     with pytest.raises(UserError, match="glued"):
-        di.run_inspect(None, PROMPT, str(path), [], "12", 4, None, None, [], Console(record=True))
+        run_inspect(None, PROMPT, str(path), [], "12", 4, None, None, [], Console(record=True))
 
 
 def test_no_model_and_missing_run(tmp_path):
     with pytest.raises(UserError, match="no model given"):
-        di.run_inspect(None, PROMPT, None, [], "12", 4, None, None, [], Console(record=True))
+        run_inspect(None, PROMPT, None, [], "12", 4, None, None, [], Console(record=True))
     with pytest.raises(UserError, match="does not exist"):
-        di.run_inspect(None, PROMPT, None, [str(tmp_path / "nope")], "12", 4, None, None, [], Console(record=True))
+        run_inspect(None, PROMPT, None, [str(tmp_path / "nope")], "12", 4, None, None, [], Console(record=True))
 
 
 # --------------------------------------------------------------------------------------------- compare
@@ -311,7 +314,7 @@ def test_compare_base_and_adapter(tiny_model_dir, adapter_dir, tmp_path):
     out = tmp_path / "cmp.json"
     plot = tmp_path / "cmp.png"
     # 'base' = the base recorded in the run; the tiny model directory itself counts as a merged model
-    result = di.run_inspect(None, PROMPT, None, ["base", str(adapter_dir), str(tiny_model_dir)], "12", 8, out,
+    result = run_inspect(None, PROMPT, None, ["base", str(adapter_dir), str(tiny_model_dir)], "12", 8, out,
                             plot, [], console)
     data = json.loads(out.read_text())
     names = [m["name"] for m in data["models"]]
@@ -329,7 +332,7 @@ def test_compare_base_and_adapter(tiny_model_dir, adapter_dir, tmp_path):
     assert lines[tens + 1][0] == "del" and lines[tens + 2][0] == "model"
     for m, row in zip(data["models"], (lines[tens][2:12], lines[tens + 1][1:11], lines[tens + 2][1:11])):
         p = m["numbers"][0]["positions"][0]
-        assert row == [di.fmt_prob(q, marked=(d == 1)) for d, q in enumerate(p["probs"])]
+        assert row == [fmt_prob(q, marked=(d == 1)) for d, q in enumerate(p["probs"])]
     assert result.models[1].adapter == str(adapter_dir)
 
 
@@ -337,7 +340,7 @@ def test_compare_greedy_uses_first_models_answer(digit_model_dir, adapter_dir, t
     console = Console(record=True, width=200)
     out = tmp_path / "greedy.json"
     # a merged model first (its greedy answer), then an adapter whose base comes from its delft_run.json
-    result = di.run_inspect(None, PROMPT, None, [str(digit_model_dir), str(adapter_dir)], None, 4, out, None,
+    result = run_inspect(None, PROMPT, None, [str(digit_model_dir), str(adapter_dir)], None, 4, out, None,
                             [], console)
     text = console.export_text()
     assert result.models[1].answer_ids == result.models[0].answer_ids
@@ -373,8 +376,8 @@ def test_cli_target_json(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("template", ["chat", "plain"])
 def test_eval_and_inspect_give_the_same_answer(tiny_model_dir, tmp_path, template):
     """One generator (delft.generate): eval extracts from the very answer text that inspect shows."""
-    from delft.answers import cut_at_stop, extract_answer
-    from delft.evaluate import run_eval
+    from delft.numbers.answers import cut_at_stop, extract_answer
+    from delft.evaluation.command import run_eval
 
     prompts = [PROMPT, "What is 12 * 34?", "Q: 1,250.5 - 93 ="]
     data = tmp_path / "problems.jsonl"
@@ -384,7 +387,7 @@ def test_eval_and_inspect_give_the_same_answer(tiny_model_dir, tmp_path, templat
                            overrides, Console(record=True, width=200))
     assert evaluated.template == template
     for prompt, rendered, generated in zip(prompts, evaluated.prompts, evaluated.generated):
-        result = di.run_inspect(None, prompt, str(tiny_model_dir), [], None, 24, None, None, overrides,
+        result = run_inspect(None, prompt, str(tiny_model_dir), [], None, 24, None, None, overrides,
                                 Console(record=True, width=200))
         view = result.models[0]
         assert view.prompt_text == rendered and view.template == template

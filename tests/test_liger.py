@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-from delft.digits import DigitVocab
-from delft.losses import Loss, resolve_fused
+from delft.numbers.digits import DigitVocab
+from delft.losses.loss import Loss
+from delft.losses.heads import resolve_fused
 from delft.recipe import load_recipe
-from delft.train import run_training
+from delft.training.trainer import run_training
 from helpers import adapter_weights, recipe_file
 from tiny import build_model, build_tokenizer
 
@@ -72,9 +73,9 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arch):
-    from delft.models import apply_liger_layers, apply_lora
+    from delft.models.loading import apply_liger_layers, apply_lora
     from delft.recipe import LoraConfig, LossConfig
-    from delft.train import forward_sums, targets
+    from delft.training.step import forward_sums, targets
 
     tok = build_tokenizer()
     vocab = DigitVocab.from_tokenizer(tok)

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from delft.digits import DigitVocab, place_weight
-from delft.losses import TERMS, Counts, Loss, Sums, term_mean
+from delft.numbers.digits import DigitVocab, place_weight
+from delft.losses.terms import TERMS
+from delft.losses.loss import Counts, Loss, Sums
+from delft.losses.modules import term_mean
 from delft.recipe import LossConfig, load_recipe
 from helpers import digit_targets, recipe_file
 from tiny import build_model, build_tokenizer
@@ -289,7 +291,7 @@ def test_reference_normalisation_from_the_recipe(digits, tmp_path, tiny_model_di
 
 def test_logged_digit_statistics_equal_a_direct_computation(digits):
     tok, vocab = digits
-    from delft.train import optimizer_step
+    from delft.training.step import optimizer_step
 
     model = build_model(tok, hidden=32, layers=2)
     texts = ["Q: 12+7=19!", "Q: ab cd ef", "Q: x=3.25 !", "Q: 100000 7"]
@@ -314,7 +316,7 @@ def test_logged_digit_statistics_equal_a_direct_computation(digits):
 
 @pytest.mark.parametrize("kind", VARIANTS)
 def test_variants_train_and_log_digit_statistics(tmp_path, tiny_model_dir, kind):
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, loss={"type": kind},
                                                train={"max_steps": 2, "logging_steps": 1})))

@@ -8,19 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from delft.digits import DigitVocab
+from delft.numbers.digits import DigitVocab
 from delft.errors import UserError
-from delft.loss_types import LOSS_TYPES
-from delft.losses import (
-    DigitEntropyLoss,
-    Dist2Loss,
-    Loss,
-    NumberTokenLoss,
-    del_term,
-    full_logits_loss,
-    resolve_fused,
-    term_mean,
-)
+from delft.losses.types import LOSS_TYPES
+from delft.losses.modules import DigitEntropyLoss, Dist2Loss, NumberTokenLoss, full_logits_loss, term_mean
+from delft.losses.loss import Loss
+from delft.losses.terms import del_term
+from delft.losses.heads import resolve_fused
 from delft.recipe import LossConfig
 from helpers import count_items, digit_targets
 from tiny import build_model, build_tokenizer
@@ -325,7 +319,7 @@ def test_no_digit_labels_is_zero_with_grad(tok, vocab):
 
 
 def test_standalone_losses_take_number_token_tokenizers_and_refuse_glued_digits():
-    from delft.numtokens import NumberVocab
+    from delft.numbers.tokens import NumberVocab
 
     tok = build_tokenizer(chunked_digits=True)  # number tokens of several digits, as Llama-3 writes them
     labels = labels_of(tok, "x 123 + 45.6 = 168.6")
@@ -363,7 +357,7 @@ def test_fused_on_without_cuda_or_interpreter_is_a_user_error(monkeypatch):
 
 
 def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
-    from delft.losses import Counts, Sums
+    from delft.losses.loss import Counts, Sums
 
     loss = Loss("del", 0.5, vocab)
     assert loss.combine(Sums(6.0, 2.0, Counts(1, 1)), Counts(3, 4)) == pytest.approx(6 / 3 + 0.5 * 2 / 4)
@@ -373,8 +367,8 @@ def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
 
 
 def test_every_loss_type_has_a_term_and_a_recipe_value():
-    from delft.loss_types import LOSS_TYPES
-    from delft.losses import TERMS
+    from delft.losses.types import LOSS_TYPES
+    from delft.losses.terms import TERMS
 
     assert set(TERMS) == {n for n, t in LOSS_TYPES.items() if t.has_term}
     for name in LOSS_TYPES:

@@ -10,9 +10,12 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from delft.losses import TERMS, Loss, del_term, digit_logits, full_logits_loss
+from delft.losses.terms import TERMS, del_term
+from delft.losses.loss import Loss
+from delft.losses.heads import digit_logits
+from delft.losses.modules import full_logits_loss
 from helpers import digit_targets
-from delft.numtokens import CharTable, NumberVocab, count_digit_chars
+from delft.numbers.tokens import CharTable, NumberVocab, count_digit_chars
 from tiny import build_model, build_tokenizer
 
 TEXTS = ["1234567.89", "x 45", "none", "3.14159", "12 + 7", "0.5", "99999", "a 1.2.3"]
@@ -160,7 +163,7 @@ def test_fused_ce_beside_the_per_character_term():
 def test_train_setup_accepts_number_tokens_and_refuses_glued_digits(tmp_path, llama3_model_dir):
     from delft.errors import UserError
     from delft.recipe import load_recipe
-    from delft.train import setup
+    from delft.training.setup import setup
     from helpers import recipe_file
     from tiny import save_tiny
 
@@ -182,7 +185,7 @@ ANSWER = "12345.67"  # 123 | 45 | . | 67 on Llama-3
 def llama3_run(llama3_model_dir, tmp_path_factory):
     """A short `delft train` (DEL) of the tiny Llama-3-vocabulary model on answers that are one number."""
     from delft.recipe import load_recipe
-    from delft.train import run_training
+    from delft.training.trainer import run_training
     from helpers import recipe_file
 
     tmp = tmp_path_factory.mktemp("llama3run")
@@ -208,12 +211,12 @@ def test_short_training_lowers_the_digit_term(llama3_run):
 
 @pytest.mark.slow
 def test_inspect_shows_a_row_per_digit_character(llama3_run, llama3_model_dir, tmp_path):
-    from delft import inspect as di
+    from delft.inspection.command import run_inspect
 
     run, _ = llama3_run
     out = tmp_path / "inspect.json"
     console = Console(record=True, width=200)
-    di.run_inspect(None, "Q1: the total?", None, ["base", str(run)], ANSWER, 8, out, tmp_path / "h.png", [],
+    run_inspect(None, "Q1: the total?", None, ["base", str(run)], ANSWER, 8, out, tmp_path / "h.png", [],
                    console)
     data = json.loads(out.read_text())
     assert [m["name"] for m in data["models"]] == ["base", run.name]
@@ -231,14 +234,14 @@ def test_inspect_shows_a_row_per_digit_character(llama3_run, llama3_model_dir, t
     assert sum(tuned) > sum(base)  # the DEL run moved mass to the answer's digits
     text = console.export_text()
     assert "1[2]3" in text and "4[5]" in text and (tmp_path / "h.png").stat().st_size > 1000
-    greedy = di.run_inspect(None, "Q1: the total?", None, [str(run)], None, 6, None, None, [],
+    greedy = run_inspect(None, "Q1: the total?", None, [str(run)], None, 6, None, None, [],
                             Console(record=True, width=200))
     assert greedy.mode == "greedy"
 
 
 @pytest.mark.slow
 def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
-    from delft.evaluate import run_eval
+    from delft.evaluation.command import run_eval
 
     run, data = llama3_run
     [evaluated] = run_eval(None, [str(run)], None, str(data), "prompt_completion", 4, False, None, None,
@@ -252,7 +255,7 @@ def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
 
 
 def test_plan_counts_the_number_token_rows(tmp_path, llama3_model_dir):
-    from delft.plan import plan_memory, run_plan, with_number_tokens
+    from delft.training.plan import plan_memory, run_plan, with_number_tokens
     from delft.recipe import load_recipe
     from helpers import recipe_file
 

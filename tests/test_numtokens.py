@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from delft.digits import DIGITS, DigitVocab, token_places
+from delft.numbers.digits import DIGITS, DigitVocab, token_places
 from delft.errors import UserError
-from delft.numtokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
+from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 from tiny import build_model, build_tokenizer
 
 
@@ -258,7 +258,9 @@ def _labels(tokenizer, texts: list[str]) -> torch.Tensor:
 
 def _todays_terms_equal(tokenizer):
     """On a single-digit tokenizer, targets and DEL/NTL/DIST2 per character equal today's per-token ones."""
-    from delft import losses
+    from delft.losses.heads import digit_logits
+    from delft.losses.loss import Loss
+    from delft.losses.terms import TERMS
     from helpers import count_items, digit_targets
 
     vocab = NumberVocab.from_tokenizer(tokenizer)
@@ -271,11 +273,11 @@ def _todays_terms_equal(tokenizer):
     assert count_digit_chars(labels, vocab) == count_items(labels, vocab.digit_vocab())[1] == len(new.gold)
     model = build_model(tokenizer, hidden=16, layers=1)
     hidden = model.model(labels.clamp(min=0)).last_hidden_state
-    z = losses.digit_logits(hidden[old.mask], model.lm_head, vocab.ids)
+    z = digit_logits(hidden[old.mask], model.lm_head, vocab.ids)
     chars = char_logits(z, new.gold, vocab.char_table())
     assert torch.equal(chars.logits, z) and torch.equal(chars.digit, old.targets)
-    for kind in losses.TERMS:
-        term = losses.Loss(kind, 1.0, vocab.digit_vocab()).term
+    for kind in TERMS:
+        term = Loss(kind, 1.0, vocab.digit_vocab()).term
         assert torch.equal(term(chars.logits, chars.digit, new.weights), term(z, old.targets, old.weights))
 
 
@@ -287,13 +289,13 @@ def test_single_digit_tokenizer_keeps_todays_targets_and_terms():
 def test_smollm2_tokenizer_keeps_todays_targets_and_terms():
     from transformers import AutoTokenizer
 
-    from delft.models import ensure_smollm2
+    from delft.models.sources import ensure_smollm2
 
     _todays_terms_equal(AutoTokenizer.from_pretrained(ensure_smollm2()))
 
 
 def test_llama3_targets_weigh_every_digit_character(llama3_tokenizer, llama3_vocab):
-    from delft.digits import place_weight
+    from delft.numbers.digits import place_weight
 
     labels = _labels(llama3_tokenizer, ["1234567.89", "x 45"])
     t = number_targets(labels, llama3_vocab)
@@ -305,7 +307,8 @@ def test_llama3_targets_weigh_every_digit_character(llama3_tokenizer, llama3_voc
 
 def test_a_few_del_steps_on_the_llama3_vocabulary_lower_the_digit_term(llama3_tokenizer, llama3_vocab):
     """DEL per digit character, from the number-token rows only, trains a tiny random-init Llama-3 model."""
-    from delft.losses import del_term, digit_logits
+    from delft.losses.terms import del_term
+    from delft.losses.heads import digit_logits
 
     model = build_model(llama3_tokenizer, hidden=16, layers=1)
     ids = _labels(llama3_tokenizer, ["pay 1234567.89 now", "pi is 3.14159"]).clamp(min=0)
@@ -331,7 +334,8 @@ def test_a_few_del_steps_on_the_llama3_vocabulary_lower_the_digit_term(llama3_to
 
 def test_gradients_equal_for_8x1_4x2_2x4_micro_batches(llama3_tokenizer, llama3_vocab):
     """Per-micro-batch term sums over the batch-global N_digits (digit characters) give one gradient."""
-    from delft.losses import del_term, digit_logits
+    from delft.losses.terms import del_term
+    from delft.losses.heads import digit_logits
 
     model = build_model(llama3_tokenizer, hidden=16, layers=1)
     texts = ["1234567.89", "x 45", "none", "3.14159", "12 + 7", "0.5", "99999", "a 1.2.3"]

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from delft.losses import TERMS
+from delft.losses.terms import TERMS
 
 GAPS = (10.0, 16.0, 20.0, 40.0)
 

@@ -8,8 +8,7 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
-from delft.plan import (CALIBRATION, QWEN2, SMOLLM2_CONFIG, GiB, calibration_table, liger_calibration_table,
-                        parse_memory, plan_memory)
+from delft.training.plan import CALIBRATION, QWEN2, SMOLLM2_CONFIG, GiB, calibration_table, liger_calibration_table, parse_memory, plan_memory
 from delft.recipe import validate_recipe
 
 runner = CliRunner()
@@ -135,8 +134,8 @@ def test_plan_takes_the_fused_path_by_trainings_rule():
     """planned_fused is fused_applies on a CUDA machine; 'on' without liger-kernel is planned fused, with a warning."""
     import importlib.util
 
-    from delft.loss_types import fused_applies
-    from delft.plan import planned_fused
+    from delft.losses.types import fused_applies
+    from delft.training.plan import planned_fused
 
     have = importlib.util.find_spec("liger_kernel") is not None
     for mode in ("off", "auto", "on"):

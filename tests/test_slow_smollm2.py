@@ -14,9 +14,9 @@ def test_quickstart_trains_real_smollm2_and_adapter_loads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from delft.models import ensure_smollm2
+    from delft.models.sources import ensure_smollm2
     from delft.recipe import load_recipe
-    from delft.train import run_training
+    from delft.training.trainer import run_training
 
     recipe = load_recipe(QUICKSTART, ["train.max_steps=3", "train.eval_steps=3", f"output.dir={tmp_path / 'run'}",
                                       "data.synthetic.n=64"])

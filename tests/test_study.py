@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from delft.cli import app
 from delft.errors import UserError
 from delft.recipe import load_recipe
-from delft.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
+from delft.experiments.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
 from helpers import DATA, write_yaml
 
 STUDIES = sorted((Path(__file__).parent.parent / "recipes" / "study").glob("*.study.yaml"))
@@ -62,8 +62,8 @@ def test_mdd_is_z_level_plus_z_power_standard_errors():
 
 
 def test_a_set_where_every_model_scores_zero_cannot_detect_a_difference():
-    from delft.answers import paired_difference
-    from delft.study_summary import headline
+    from delft.evaluation.metrics import paired_difference
+    from delft.experiments.summary import headline
 
     zero = paired_difference([False] * 50, [False] * 50)
     assert zero["ci"] == [0.0, 0.0] and mdd(zero["ci"]) == float("inf")
@@ -164,7 +164,7 @@ def test_unknown_study_key_is_named(tmp_path, tiny_study):
 
 
 def test_data_files_are_looked_up_in_data_dir_and_hub_ids_pass_through(tmp_path):
-    from delft.study import _data_file
+    from delft.experiments.study import _data_file
 
     (tmp_path / "rows.jsonl").write_text("{}\n")
     assert _data_file("rows.jsonl", tmp_path, "evals.x.source") == str(tmp_path / "rows.jsonl")

@@ -8,11 +8,12 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-import delft.teacher as teacher_mod
+import delft.evaluation.teacher_forced as teacher_mod
 from delft.cli import app
-from delft.data import IGNORE, tokenize_example
-from delft.digits import DigitVocab, place_name
-from delft.evaluate import run_eval
+from delft.data import tokenize_example
+from delft.numbers.tokens import IGNORE
+from delft.numbers.digits import DigitVocab, place_name
+from delft.evaluation.command import run_eval
 from delft.recipe import DataConfig
 from helpers import DATA
 from tiny import save_tiny

@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
-import delft.train as train_mod
+import delft.training.trainer as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import latest_checkpoint
-from delft.train import run_training
+from delft.training.trainer import run_training
 from helpers import adapter_weights, recipe_file
 
 

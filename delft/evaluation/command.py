@@ -1,0 +1,209 @@
+"""``delft eval``: greedy answers from the base model and adapters, scored side by side.
+
+Generation (batched, left-padded, KV cache) lives in delft.generate; extraction, scoring and metrics in
+delft.answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+from rich.console import Console
+from delft.errors import UserError
+from delft.outputs import check_output_files, write_result
+from delft.evaluation.metrics import differences, flags
+from delft.evaluation.problems import Problem, describe_source, disjoint_from_training, load_problems, settings_block
+from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
+from delft.evaluation.scoring import ModelResult, evaluate_models
+
+
+def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Optional[str], data: Optional[str],
+                     data_format: Optional[str], limit: Optional[int], overrides: Sequence[str],
+                     console: Console):
+    """(recipe config, base model name, eval DataConfig, limit, runs) from the command line."""
+    from pydantic import ValidationError
+
+    from delft.recipe import DataConfig, load_recipe
+
+    cfg = load_recipe(recipe_path, list(overrides))
+    runs = list(runs)
+    if recipe_path is None:
+        if model is None:
+            model = _base_from_runs(runs)
+        if model is None or data is None:
+            missing = " and ".join(x for x, v in (("--model", model), ("--data", data)) if v is None)
+            raise UserError(f"without a recipe, {missing} {'is' if ' and ' not in missing else 'are'} required",
+                            "delft eval", "Pass a recipe (delft eval RECIPE.yaml [RUNS...]) or e.g. "
+                            "--model smollm2-135m --data synthetic (or --data FILE --format gsm8k).")
+    model = model or cfg.model.name
+    base_data = cfg.eval_data()
+    fields = base_data.model_dump()
+    if data is not None:
+        fields["source"] = data
+        if data == "synthetic":
+            if data_format not in (None, "synthetic"):
+                raise UserError(f"--data synthetic goes with --format synthetic, not {data_format!r}", "--format",
+                                "Drop --format.")
+            fields["format"] = "synthetic"
+        elif data_format is not None:
+            fields["format"] = data_format
+        elif base_data.format == "synthetic" or recipe_path is None:
+            raise UserError(f"--format is required with --data {data}", "--format",
+                            "Say how rows map to question and answer: gsm8k, svamp, prompt_completion, chat, ...")
+    elif data_format is not None:
+        fields["format"] = data_format
+    if limit is None:
+        limit = cfg.eval.limit
+    if limit is not None:
+        if limit <= 0:
+            raise UserError(f"--limit must be positive, not {limit}", "--limit", "e.g. --limit 100.")
+        fields["limit"] = min(limit, fields["limit"]) if fields.get("limit") else limit
+    fields["val_size"] = 0
+    try:
+        data_cfg = DataConfig.model_validate(fields)
+    except ValidationError as e:
+        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise UserError(f"invalid eval data: {problems}", "--data/--format", "Check --data and --format.") from None
+    data_cfg = disjoint_from_training(data_cfg, cfg.data)
+    if not runs and recipe_path is not None:
+        finished = _finished_run(Path(cfg.output.dir))
+        if finished is not None:
+            console.print(f"[dim]including the finished run in {finished} (output.dir of the recipe)[/]")
+            runs = [str(finished)]
+    return cfg, model, data_cfg, limit, runs
+
+
+def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
+    from delft.rundir import base_model
+
+    bases = {base_model(Path(r)) for r in runs if Path(r).is_dir()}
+    bases.discard(None)
+    return bases.pop() if len(bases) == 1 else None
+
+
+def _finished_run(path: Path) -> Optional[Path]:
+    from delft.rundir import is_finished_run
+
+    return path if is_finished_run(path) else None
+
+
+def check_runs(runs: Sequence[str], base: str) -> None:
+    """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
+    from delft.models.sources import resolve_model
+    from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, check_model_files,
+                              is_merged_model, read_info)
+
+    base_config = None
+    for run in runs:
+        p = Path(run)
+        if not p.exists():
+            raise UserError(f"run directory {run} does not exist", "delft eval",
+                            "Give a directory written by `delft train` (or by `delft export`).")
+        if not p.is_dir():
+            raise UserError(f"{run} is a file, not a run directory", "delft eval",
+                            "Give a directory written by `delft train` (or by `delft export`).")
+        adapter = p.is_dir() and (p / ADAPTER_CONFIG).is_file()
+        if not adapter and not is_merged_model(p):
+            raise UserError(f"{run} holds neither an adapter ({ADAPTER_CONFIG}) nor a merged model ({MODEL_CONFIG})",
+                            "delft eval", "Give a run directory written by `delft train` or a merged model.")
+        check_model_files(p, "delft eval", "Restore the file, or train (or export) that run again.")
+        if adapter and read_info(p).get("architecture"):
+            if base_config is None:
+                from transformers import AutoConfig
+
+                try:
+                    base_config = AutoConfig.from_pretrained(resolve_model(base).path)
+                except (OSError, ValueError):
+                    return  # load_for_inference reports it
+            check_adapter_matches(p, base, base_config, "delft eval")
+
+
+def column_names(runs: Sequence[str], include_base: bool) -> list[str]:
+    """'base', then each run's directory name (its path where names repeat)."""
+    names = [Path(r).name or str(r) for r in runs]
+    out = []
+    for r, n in zip(runs, names):
+        out.append(str(r) if names.count(n) > 1 or n == "base" else n)
+    return (["base"] if include_base else []) + out
+
+
+def check_teacher_tokenizer(base: str) -> None:
+    """--teacher-forced needs single-token digits: say so before any model answers."""
+    from delft.numbers.digits import DigitVocab
+    from delft.models.loading import load_tokenizer
+    from delft.models.sources import resolve_model
+
+    DigitVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
+
+
+def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,
+                  json_out: Optional[Path], console: Console) -> UserError:
+    """A model that fails after others were evaluated: theirs are shown and, with --json, written (marked
+    incomplete), and the error says where they are."""
+    if not done:
+        return err
+    console.print(render_table(done, "delft eval, incomplete: the models evaluated before the error"))
+    kept = f"The models evaluated before it ({', '.join(r.name for r in done)}) are in the table above"
+    if json_out is not None:
+        report = {**to_json(done, problems, settings), "incomplete": str(err)}
+        write_result(Path(json_out), json.dumps(report, indent=2), "--json")
+        kept += f" and in {json_out} (marked incomplete)"
+    return UserError(err.what, err.where, f"{err.fix or ''} {kept}.".strip())
+
+
+def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
+             data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
+             include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
+             overrides: Sequence[str] = (), console: Optional[Console] = None,
+             teacher_forced: bool = False) -> list[ModelResult]:
+    """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG.
+    ``teacher_forced`` adds delft.teacher's metrics on the gold completions (table, JSON, a second PNG)."""
+    console = console or Console()
+    cfg, base, data_cfg, limit, runs = resolve_settings(recipe_path, runs, model, data, data_format, limit,
+                                                        overrides, console)
+    if not include_base and not runs:
+        raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
+                        "Give run directories, or drop --no-base.")
+    check_runs(runs, base)
+    check_output_files({"--json": json_out, "--plot": plot})
+    if teacher_forced:
+        check_teacher_tokenizer(base)
+    problems, skipped = load_problems(data_cfg, console)
+    adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
+    title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
+    settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
+                **settings_block(data_cfg, cfg, len(problems), skipped), "teacher_forced": teacher_forced}
+    done: list[ModelResult] = []
+    try:
+        results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg,
+                                  cfg, console, done, teacher_forced)
+    except UserError as e:
+        raise keep_finished(e, done, problems, settings, json_out, console) from None
+    if include_base:
+        for r in results[1:]:
+            r.vs_base = differences(flags(results[0].scored), flags(r.scored), cfg.eval.bootstrap)
+
+    console.print(render_table(results, title))
+    for r in results[1:] if include_base else []:
+        d = r.vs_base["exact_match"]
+        ci = d["ci"]
+        span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
+        console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
+    if teacher_forced:
+        print_teacher(results, include_base, cfg.eval.bootstrap, console)
+
+    if json_out is not None:
+        write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
+        console.print(f"[green]wrote[/] {json_out}")
+    if plot is not None:
+        write_plot(results, Path(plot), title)
+        console.print(f"[green]wrote[/] {plot}")
+        if teacher_forced:
+            from delft.evaluation.teacher_forced import teacher_plot_path, write_teacher_plot
+
+            second = teacher_plot_path(Path(plot))
+            write_teacher_plot([r.name for r in results], [r.teacher_metrics for r in results], second,
+                               f"teacher-forced on the gold completions: {title}")
+            console.print(f"[green]wrote[/] {second}")
+    return results

@@ -1,0 +1,103 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+from delft.numbers.digits import place_name
+from delft.numbers.answers import Scored
+from delft.evaluation.problems import BOOTSTRAP_SEED
+from delft.numbers.answers import RULES, signed_log
+
+
+def bootstrap_ci(flags: Sequence[bool | float], resamples: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> Optional[tuple[float, float]]:
+    """Percentile bootstrap interval of the mean of ``flags``; None when empty or resamples == 0.
+
+    The resample indices depend only on (len(flags), resamples, seed), so two models scored on the same set
+    get the same resamples (a paired comparison)."""
+    import numpy as np
+
+    n = len(flags)
+    if n == 0 or resamples <= 0:
+        return None
+    values = np.asarray(flags, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    chunk = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at once
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = values[idx].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def paired_difference(a: Sequence[bool], b: Sequence[bool], resamples: int = 1000, seed: int = 0,
+                      level: float = 0.95) -> dict:
+    """mean(b) - mean(a) and its paired bootstrap interval (same problems resampled for both)."""
+    if len(a) != len(b):
+        raise ValueError("paired_difference needs the same problems for both models")
+    diff = [float(y) - float(x) for x, y in zip(a, b)]
+    ci = bootstrap_ci(diff, resamples, seed, level)
+    return {"difference": sum(diff) / len(diff) if diff else None, "ci": list(ci) if ci else None}
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(scored: Sequence[Scored], resamples: int = 1000, seed: int = 0) -> dict:
+    """Every metric of one model over a list of scored predictions (rates in [0, 1]; None where undefined)."""
+    n = len(scored)
+    exact = [s.exact for s in scored]
+    tol = [s.tolerance for s in scored]
+    with_number = [s for s in scored if s.has_number]
+    abs_err = [float(abs(s.extraction.value - s.gold)) for s in with_number]
+    log_err = [abs(signed_log(s.extraction.value) - signed_log(s.gold)) for s in with_number]
+    per_place: dict[int, list[bool]] = {}
+    for s in scored:
+        for p, ok in s.places.items():
+            per_place.setdefault(p, []).append(ok)
+    all_places = [ok for s in scored for ok in s.places.values()]
+    rules = {r: 0 for r in RULES}
+    for s in scored:
+        rules[s.extraction.rule] = rules.get(s.extraction.rule, 0) + 1
+    ci = bootstrap_ci(exact, resamples, seed)
+    tci = bootstrap_ci(tol, resamples, seed)
+    return {
+        "n": n,
+        "exact_match": _mean(exact),
+        "exact_match_ci": list(ci) if ci else None,
+        "tolerance_match": _mean(tol),
+        "tolerance_match_ci": list(tci) if tci else None,
+        "no_number_rate": (n - len(with_number)) / n if n else None,
+        "n_with_number": len(with_number),
+        "mae": _mean(abs_err),
+        "log_mae": _mean(log_err),
+        "digit_accuracy": _mean(all_places),
+        "per_place": {
+            place_name(p): {"place": p, "accuracy": _mean(v), "n": len(v)}
+            for p, v in sorted(per_place.items(), key=lambda kv: -kv[0])
+        },
+        "rules": rules,
+        "bootstrap": {"resamples": resamples, "seed": seed, "level": 0.95},
+    }
+
+
+def place_order(places: Iterable[int]) -> list[int]:
+    """Highest integer place first, then tenths, hundredths, ..."""
+    return sorted(set(places), key=lambda p: -p)
+
+
+def flags(scored: Sequence[Scored]) -> tuple[list[float], list[float]]:
+    """(exact, tolerance) match per problem, as 0/1."""
+    return [float(s.exact) for s in scored], [float(s.tolerance) for s in scored]
+
+
+def differences(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]],
+                resamples: int) -> dict:
+    """b minus a in exact and tolerance match (paired bootstrap over the same problems): ``flags`` pairs, or
+    per-problem rates averaged over seeds."""
+    return {"exact_match": paired_difference(a[0], b[0], resamples, BOOTSTRAP_SEED),
+            "tolerance_match": paired_difference(a[1], b[1], resamples, BOOTSTRAP_SEED)}

@@ -1,0 +1,74 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+from rich.console import Console
+from delft.numbers.answers import parse_number
+from delft.recipe import EVAL_SEED_OFFSET
+from delft.errors import UserError
+
+
+BOOTSTRAP_SEED = 0
+
+
+@dataclass
+class Problem:
+    """One eval problem: the source example and its numeric gold answer."""
+
+    example: Any  # delft.data.Example
+    gold: Decimal
+    index: int
+
+
+def disjoint_from_training(data_cfg, train_data):
+    """``data_cfg``, its synthetic seed moved by EVAL_SEED_OFFSET where it would repeat the training problems
+    (an eval set equal to them would measure memorisation)."""
+    if (data_cfg.source == "synthetic" and train_data.source == "synthetic"
+            and data_cfg.synthetic.seed == train_data.synthetic.seed):
+        data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    return data_cfg
+
+
+def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
+    """The eval problems with numeric gold answers; (problems, number skipped for lack of an answer)."""
+    from delft.data import load_examples
+
+    examples = load_examples(data_cfg, "eval.data")
+    problems, skipped = [], 0
+    for i, ex in enumerate(examples):
+        gold = parse_number(ex.answer) if ex.answer is not None else parse_number(ex.completion)
+        if gold is None:
+            skipped += 1
+            continue
+        problems.append(Problem(ex, gold, i))
+    if not problems:
+        raise UserError(f"the eval set ({data_cfg.source}, format {data_cfg.format}) has no numeric answers: none "
+                        f"of its {len(examples)} examples has an 'answer' field or a completion that is a number",
+                        "eval.data", "Use a format with answers (gsm8k, svamp, synthetic), or add an 'answer' "
+                        "column to a prompt_completion / chat file.")
+    if skipped:
+        console.print(f"[yellow]warning:[/] skipped {skipped} of {len(examples)} eval examples without a numeric "
+                      "answer")
+    return problems, skipped
+
+
+def describe_source(data_cfg) -> str:
+    return data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
+
+
+def settings_block(data_cfg, recipe_cfg, n: int, skipped: int) -> dict:
+    """How an eval set was answered and scored (the JSON's settings; compare adds its own keys)."""
+    return {
+        "data": data_cfg.model_dump(mode="json"),
+        "n": n,
+        "skipped_without_answer": skipped,
+        "decoding": "greedy",
+        "max_new_tokens": recipe_cfg.eval.max_new_tokens,
+        "batch_size": recipe_cfg.eval.batch_size,
+        "bootstrap": {"resamples": recipe_cfg.eval.bootstrap, "seed": BOOTSTRAP_SEED, "level": 0.95},
+        "device": recipe_cfg.model.device,
+        "dtype": recipe_cfg.model.dtype,
+    }

@@ -1,0 +1,163 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+from rich.console import Console
+from rich.table import Table
+from delft import __version__
+from delft.numbers.answers import Scored, canonical
+from delft.evaluation.metrics import place_order
+from delft.numbers.digits import place_name
+from delft.outputs import write_figure
+from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
+from delft.evaluation.scoring import ModelResult
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
+
+
+def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
+    """(label, values, cells, higher_is_better) per table row."""
+    rows = []
+    m = [r.metrics for r in results]
+
+    def ci_cell(x, key):
+        ci = x.get(key)
+        return _pct(x[key.removesuffix("_ci")]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+    rows.append(("exact match (95 % CI)", [x["exact_match"] for x in m], [ci_cell(x, "exact_match_ci") for x in m],
+                 True))
+    rows.append(("tolerance match (95 % CI)", [x["tolerance_match"] for x in m],
+                 [ci_cell(x, "tolerance_match_ci") for x in m], True))
+    rows.append(("no number", [x["no_number_rate"] for x in m], [_pct(x["no_number_rate"]) for x in m], False))
+    rows.append(("MAE", [x["mae"] for x in m], [_num(x["mae"]) for x in m], False))
+    rows.append(("log-MAE", [x["log_mae"] for x in m], [_num(x["log_mae"]) for x in m], False))
+    rows.append(("digit accuracy (all places)", [x["digit_accuracy"] for x in m], [_pct(x["digit_accuracy"]) for x in m],
+                 True))
+    places = place_order(p["place"] for x in m for p in x["per_place"].values())
+    for place in places:
+        name = place_name(place)
+        vals = [x["per_place"].get(name, {}).get("accuracy") for x in m]
+        n = max(x["per_place"].get(name, {}).get("n", 0) for x in m)
+        rows.append((f"  {name} (n={n})", vals, [_pct(v) for v in vals], True))
+    return rows
+
+
+def render_table(results: Sequence[ModelResult], title: str) -> Table:
+    """Models as columns, metrics as rows, the best value of each row in bold green."""
+    table = _table(results, title, metric_rows(results))
+    table.caption = ("exact: numeric equality; tolerance: integer gold needs round(pred) == gold, other gold 4 % "
+                     "relative error (DEL paper); digit places of the gold number, a missing place or no number "
+                     "counts wrong; MAE and log-MAE over answers with a number")
+    table.caption_justify = "left"
+    return table
+
+
+def _table(results: Sequence[ModelResult], title: str, rows) -> Table:
+    """``rows`` of (label, values, cells, higher_is_better) with models as columns, each row's best in green."""
+    table = Table(title=title, title_justify="left", header_style="bold")
+    table.add_column("metric", style="cyan", no_wrap=True)
+    for r in results:
+        table.add_column(r.name, justify="right")
+    for label, values, cells, higher in rows:
+        present = [v for v in values if v is not None]
+        best = None
+        if len(present) > 1 and max(present) - min(present) > 1e-12:  # nothing to highlight when all tie
+            best = max(present) if higher else min(present)
+        styled = [f"[bold green]{c}[/]" if best is not None and v is not None and abs(v - best) < 1e-12 else c
+                  for v, c in zip(values, cells)]
+        table.add_row(label, *styled)
+    return table
+
+
+def prediction_record(p: Problem, prompt: str, generated: str, s: Scored) -> dict:
+    e = s.extraction
+    return {
+        "index": p.index,
+        "prompt": prompt,
+        "gold": canonical(p.gold),
+        "generated": generated,
+        "extracted": e.canonical,
+        "matched_text": e.text,
+        "rule": e.rule,
+        "exact": s.exact,
+        "tolerance": s.tolerance,
+        "places": {place_name(k): v for k, v in sorted(s.places.items(), key=lambda kv: -kv[0])},
+    }
+
+
+def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], settings: dict) -> dict:
+    return {
+        "delft_version": __version__,
+        "settings": settings,
+        "models": [
+            {
+                "name": r.name,
+                "adapter": r.adapter,
+                "template": r.template,
+                "stop_strings": r.stop_strings,
+                "metrics": r.metrics,
+                "vs_base": r.vs_base,
+                **({"teacher_forced": {**r.teacher_metrics, "vs_base": r.teacher_vs_base}}
+                   if r.teacher_metrics is not None else {}),
+                "predictions": [prediction_record(p, pr, g, s)
+                                for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored)],
+            }
+            for r in results
+        ],
+    }
+
+
+def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str = "--plot") -> None:
+    """Grouped bars: per-place digit accuracy, one colour per model (matplotlib's Agg canvas, no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    places = place_order(p["place"] for r in results for p in r.metrics["per_place"].values())
+    names = [place_name(p) for p in places]
+    counts = [max(r.metrics["per_place"].get(n, {}).get("n", 0) for r in results) for n in names]
+    fig = Figure(figsize=(max(5.0, 1.1 * len(places) + 2), 3.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(results))
+    for k, r in enumerate(results):
+        vals = [100 * (r.metrics["per_place"].get(n, {}).get("accuracy") or 0.0) for n in names]
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(places))]
+        ax.bar(xs, vals, width=width, label=r.name)
+    ax.set_xticks(range(len(places)))
+    ax.set_xticklabels([f"{n}\n(n={c})" for n, c in zip(names, counts)], fontsize=8)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("digit accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_figure(fig, path, flag)
+
+
+def print_teacher(results: Sequence[ModelResult], include_base: bool, resamples: int, console: Console) -> None:
+    """The teacher-forced table (same layout as the main one) and each run's differences from the base."""
+    from delft.evaluation.teacher_forced import difference_line, teacher_differences, teacher_rows
+
+    if include_base:
+        for r in results[1:]:
+            r.teacher_vs_base = teacher_differences(results[0].teacher, r.teacher, resamples, BOOTSTRAP_SEED)
+    first = results[0].teacher_metrics
+    title = (f"teacher-forced on the gold completions of {first['n_examples']} problems"
+             + (f" ({first['truncated']} truncated at data.max_length)" if first["truncated"] else ""))
+    table = _table(results, title, teacher_rows([r.teacher_metrics for r in results]))
+    table.caption = ("at each digit of the gold completion: argmax among the ten digits, full-vocabulary argmax, "
+                     "CE over the ten digit logits; non-digit CE / perplexity: every other completion token")
+    table.caption_justify = "left"
+    console.print(table)
+    for r in results[1:] if include_base else []:
+        console.print(difference_line(r.name, r.teacher_vs_base))

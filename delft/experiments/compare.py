@@ -1,0 +1,592 @@
+"""``delft compare``: the same training run once per loss, then every adapter evaluated side by side.
+
+Recipes given on the command line must resolve (after ``base:`` and ``--set``) to the same settings except
+their ``loss`` section (and ``output.dir``, which compare replaces). A recipe that another given recipe
+extends (``recipes/compare/base.yaml``) is their shared base, not a run of its own, and is skipped.
+
+For every recipe and ``--seed`` N the run lives in ``<parent of output.dir>/<recipe name>-seed<N>``
+(``runs/compare/del-seed1``): finished runs are reused (after checking they were trained with this recipe),
+interrupted ones resume from their last checkpoint, missing ones are trained. Then the base model and every
+adapter answer (a) the recipe's held-out synthetic set and (b) with ``--transfer FILE``, a slice of a
+transfer set such as SVAMP (none unless given), with the machinery of ``delft eval``; tables go to the
+terminal and ``tables.txt`` (and as Markdown to ``summary.md``), every metric, interval and prediction to
+``compare.json``, per-place digit accuracy to ``places_<set>.png``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+from rich.console import Console
+from delft import __version__
+from delft.errors import UserError
+from delft.outputs import check_output_dir, write_result
+from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
+from delft.rundir import METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info
+
+
+REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
+
+
+DEFAULT_TRANSFER_FORMAT = "svamp"
+
+
+DEFAULT_TRANSFER_LIMIT = 100
+
+
+DEFAULT_TRANSFER_MAX_NEW_TOKENS = 32
+
+
+REFERENCE_LOSS = "ce"  # differences are reported against the plain-CE run when there is one
+
+
+FREE_KEYS = ("output.dir",)  # keys that may differ between compared recipes (compare sets them per run)
+
+
+@dataclass
+class Contender:
+    """One compared recipe: its file, name (the file's stem) and resolved settings (before the seed)."""
+
+    name: str
+    path: Path
+    recipe: Recipe
+
+    def for_seed(self, seed: int) -> Recipe:
+        cfg = self.recipe.model_copy(deep=True)
+        cfg.train.seed = seed
+        cfg.output.dir = str(run_dir_for(self.recipe, self.name, seed))
+        return cfg
+
+
+@dataclass
+class Column:
+    """One evaluated model (or the mean over seeds of one recipe) in one eval set."""
+
+    name: str
+    recipe_name: Optional[str]
+    seed: Optional[int]
+    adapter: Optional[str]
+    result: Any = None  # delft.evaluate.ModelResult
+    vs_base: Optional[dict] = None
+    vs_reference: Optional[dict] = None
+
+
+def _comparable(recipe: Recipe) -> dict[str, Any]:
+    """Every resolved key except the loss section and the free keys."""
+    return {k: v for k, v in flat_keys(recipe.to_dict()).items()
+            if not k.startswith("loss.") and k != "loss" and k not in FREE_KEYS}
+
+
+def run_dir_for(recipe: Recipe, name: str, seed: int) -> Path:
+    return Path(recipe.output.dir).parent / f"{name}-seed{seed}"
+
+
+def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console: Console) -> list[Contender]:
+    """Load the recipes, drop shared bases, and refuse any that differ in more than their loss."""
+    if not paths:
+        raise UserError("no recipes given", "delft compare", "e.g. delft compare recipes/compare/*.yaml")
+    unique: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise UserError(f"recipe file {p} does not exist", "delft compare", "Check the path.")
+        twin = next((q for q in unique if p.resolve() == q.resolve()), None)
+        if twin is not None:
+            raise UserError(f"{p} is given twice ({twin} is the same file)", "delft compare",
+                            "Give each recipe once; to train one recipe several times, use --seed.")
+        unique.append(p)
+    bases = {b.resolve() for p in unique for b in recipe_chain(p)[1:]}
+    contenders = []
+    for p in unique:
+        if p.resolve() in bases and len(unique) > 1:
+            console.print(f"[dim]{p}: the shared base of the other recipes, not a run of its own[/]")
+            continue
+        contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
+    if len(contenders) < 2:
+        raise UserError(f"compare needs at least two recipes to compare, got {len(contenders)} "
+                        f"({', '.join(str(c.path) for c in contenders)})", "delft compare",
+                        "Give two or more recipes that differ in their loss (e.g. recipes/compare/*.yaml); "
+                        "to train one recipe, use delft train.")
+    names = [c.name for c in contenders]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UserError(f"recipes share the name {', '.join(dup)} (their runs would share a directory)",
+                        "delft compare", "Give each compared recipe a distinct file name.")
+    first = contenders[0]
+    ref = _comparable(first.recipe)
+    problems = []
+    for c in contenders[1:]:
+        other = _comparable(c.recipe)
+        for key in sorted(set(ref) | set(other)):
+            if ref.get(key) != other.get(key):
+                problems.append(f"{key} ({first.path.name}: {ref.get(key)!r}, {c.path.name}: {other.get(key)!r})")
+    if problems:
+        raise UserError("the recipes differ in more than their loss section: " + "; ".join(problems),
+                        "delft compare", "Move the shared settings into one base recipe (base: base.yaml) and "
+                        "let each recipe set only loss: (and output.dir).")
+    for i, a in enumerate(contenders):
+        for b in contenders[i + 1:]:
+            if a.recipe.loss == b.recipe.loss:
+                raise UserError(f"{a.path} and {b.path} resolve to the same loss ({a.recipe.loss.type}, weight "
+                                f"{a.recipe.loss.weight:g}): they would train the same run twice",
+                                "delft compare", "Drop one of them.")
+    return contenders
+
+
+def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
+    return sorted(recipe_differences(load_recipe(run_dir / RECIPE), cfg, ignore=("eval",)))
+
+
+def _last_rows(run_dir: Path) -> dict:
+    """The final training and validation rows of metrics.jsonl (for the JSON report)."""
+    path = run_dir / METRICS
+    out: dict = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:  # a line cut short or damaged: the report keeps the last whole rows
+                continue
+            if isinstance(row, dict):
+                out["validation" if "val_loss" in row else "train"] = row
+    return out
+
+
+def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
+    """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
+    from delft.models.loading import free_memory
+    from delft.training.trainer import run_training
+
+    run_dir = Path(cfg.output.dir)
+    info = read_info(run_dir) if run_dir.is_dir() else {}
+    if is_finished_run(run_dir):
+        diff = _saved_recipe_differences(run_dir, cfg)
+        if diff:
+            raise UserError(f"{run_dir} holds a finished run of a different recipe ({', '.join(diff)} differ)",
+                            "delft compare", f"Delete {run_dir} to train it again with this recipe, or restore "
+                            f"the recipe it was trained with (its {RECIPE}).")
+        console.print(f"[dim]{run_dir}: finished run, reused[/]")
+        return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
+    force = False
+    status = "trained"
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if latest_checkpoint(run_dir) is not None:
+            status = "resumed"
+        elif is_run_dir(run_dir):
+            console.print(f"[yellow]{run_dir}: stopped before its first checkpoint; starting it again[/]")
+            force = True
+        else:
+            raise UserError(f"{run_dir} exists and is not a delft run", "delft compare",
+                            "Move it away (compare keeps its runs beside the recipes' output.dir).")
+    console.rule(f"[bold]{run_dir.name}[/]: training ({cfg.loss.type}, seed {cfg.train.seed})")
+    start = time.perf_counter()
+    run_training(cfg, resume=None, force=force, console=console, resume_command=command)
+    seconds = time.perf_counter() - start
+    free_memory()
+    steps = read_info(run_dir).get("step")
+    return {"status": status, "steps": steps, "seconds": round(seconds, 1), **_last_rows(run_dir)}
+
+
+def mean_over_seeds(scored_lists: list[list], resamples: int, seed: int) -> dict:
+    """Metrics of one recipe averaged over its seeds (same problems for each).
+
+    Rates and MAE are those of the pooled predictions (equal to the mean of the seeds' rates); the 95 % CIs
+    are a bootstrap over problems of each problem's seed-averaged score, so problems are not counted twice.
+    ``n`` and the per-place ``n`` count problems; ``n_with_number`` and ``rules`` count all seeds' predictions.
+    """
+    from delft.evaluation.metrics import bootstrap_ci, summarize
+
+    n = len(scored_lists[0])
+    pooled = summarize([s for lst in scored_lists for s in lst], resamples, seed)
+    for key, per_problem in zip(("exact_match", "tolerance_match"), _averaged(scored_lists)):
+        ci = bootstrap_ci(per_problem, resamples, seed)
+        pooled[f"{key}_ci"] = list(ci) if ci else None
+    pooled["n"] = n
+    pooled["seeds"] = len(scored_lists)
+    pooled["predictions"] = n * len(scored_lists)
+    for place in pooled["per_place"].values():
+        place["n"] //= len(scored_lists)
+    per_seed = [summarize(lst, 0, seed) for lst in scored_lists]
+    pooled["per_seed"] = {k: [m[k] for m in per_seed] for k in ("exact_match", "tolerance_match",
+                                                                 "digit_accuracy", "mae", "no_number_rate")}
+    return pooled
+
+
+def _averaged(scored_lists: list[list]) -> tuple[list[float], list[float]]:
+    """Per problem, exact and tolerance match averaged over seeds (the seed mean's paired-bootstrap input)."""
+    from delft.evaluation.metrics import flags
+
+    per_seed = [flags(lst) for lst in scored_lists]
+    return tuple([sum(f[k][i] for f in per_seed) / len(per_seed) for i in range(len(scored_lists[0]))]
+                 for k in (0, 1))
+
+
+def _diff_line(label: str, d: dict) -> str:
+    parts = []
+    for key, what in (("exact_match", "exact"), ("tolerance_match", "tolerance")):
+        x = d[key]
+        ci = x["ci"]
+        span = f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
+        parts.append(f"{what} {100 * x['difference']:+.1f}{span}")
+    return f"{label}: " + ", ".join(parts) + " points (paired bootstrap, 95 % CI)"
+
+
+def reference_name(contenders: Sequence[Contender]) -> str:
+    """The recipe differences are reported against: the plain-CE one when there is one, else the first."""
+    return next((c.name for c in contenders if c.recipe.loss.type == REFERENCE_LOSS), contenders[0].name)
+
+
+def _columns(contenders: Sequence[Contender], seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> list[Column]:
+    """The base model, then every recipe's run per seed."""
+    trained = [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])) for seed in seeds for c in contenders]
+    return [Column("base", None, None, None)] + trained
+
+
+def _pair_up(columns: list[Column], ref_name: str, resamples: int) -> None:
+    """Each run's paired differences from the base model and from the reference recipe's run of its seed."""
+    from delft.evaluation.metrics import differences, flags
+
+    base = flags(columns[0].result.scored)
+    by = {(col.recipe_name, col.seed): col for col in columns[1:]}
+    for col in columns[1:]:
+        own = flags(col.result.scored)
+        col.vs_base = differences(base, own, resamples)
+        if col.recipe_name != ref_name:
+            col.vs_reference = differences(flags(by[(ref_name, col.seed)].result.scored), own, resamples)
+
+
+def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: Sequence[int], ref_name: str,
+                resamples: int) -> list[dict]:
+    """Per recipe, its metrics and differences averaged over the training seeds ([] for one seed)."""
+    from delft.evaluation.problems import BOOTSTRAP_SEED
+    from delft.evaluation.metrics import differences, flags
+
+    if len(seeds) < 2:
+        return []
+    by = {(col.recipe_name, col.seed): col.result.scored for col in columns[1:]}
+    base = flags(columns[0].result.scored)
+    reference = _averaged([by[(ref_name, s)] for s in seeds])
+    means = []
+    for c in contenders:
+        lists = [by[(c.name, s)] for s in seeds]
+        own = _averaged(lists)
+        means.append({"name": c.name, "loss": c.recipe.loss.model_dump(mode="json"), "seeds": list(seeds),
+                      "metrics": mean_over_seeds(lists, resamples, BOOTSTRAP_SEED),
+                      "vs_base": differences(base, own, resamples),
+                      "vs_reference": None if c.name == ref_name else differences(reference, own, resamples)})
+    return means
+
+
+def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict], seeds: Sequence[int],
+                 ref_name: str, console: Console, tables: Console) -> None:
+    """One table per seed (base and each recipe), then the seed means, to the terminal and tables.txt."""
+    from delft.evaluation.scoring import ModelResult
+    from delft.evaluation.report import render_table
+
+    def show(title: str, results: list, notes: list[str]) -> None:
+        for target in (console, tables):
+            target.print(render_table(results, title))
+            for line in notes:
+                target.print(line, highlight=False)
+            target.print()
+
+    for seed in seeds:
+        cols = [columns[0]] + [c for c in columns[1:] if c.seed == seed]
+        results = [ModelResult(c.recipe_name or "base", c.adapter, metrics=c.result.metrics) for c in cols]
+        notes = [_diff_line(f"{c.recipe_name} vs {ref_name} (seed {seed})", c.vs_reference)
+                 for c in cols[1:] if c.vs_reference]
+        show(f"delft compare, {key}: {heading}, training seed {seed}", results, notes)
+    if means:
+        results = [ModelResult("base", None, metrics=columns[0].result.metrics)] + [
+            ModelResult(f"{m['name']} (mean)", None, metrics=m["metrics"]) for m in means]
+        notes = [_diff_line(f"{m['name']} vs {ref_name} (mean of seeds)", m["vs_reference"])
+                 for m in means if m["vs_reference"]]
+        show(f"delft compare, {key}: mean over training seeds {', '.join(map(str, seeds))} (CI: bootstrap over "
+             "problems of the seed-averaged score)", results, notes)
+
+
+def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]) -> list:
+    """What places_<set>.png shows: base and the seed means, or base and each recipe's first-seed run."""
+    from delft.evaluation.scoring import ModelResult
+
+    base = ModelResult("base", None, metrics=columns[0].result.metrics)
+    if means:
+        return [base] + [ModelResult(m["name"], None, metrics=m["metrics"]) for m in means]
+    first_seed = [c for c in columns[1:] if c.seed == seeds[0]]
+    return [base] + [ModelResult(c.recipe_name, None, metrics=c.result.metrics) for c in first_seed]
+
+
+def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns: list[Column], means: list[dict],
+             contenders: Sequence[Contender], ref_name: str, seconds: float) -> dict:
+    """The JSON section of one eval set: settings, problems, every model's predictions, the seed means."""
+    from delft.numbers.answers import canonical
+    from delft.evaluation.report import prediction_record
+    from delft.evaluation.problems import settings_block
+
+    base = columns[0].result
+    losses = {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders}
+    section = {
+        "settings": {"source": data_cfg.source, **settings_block(data_cfg, recipe_cfg, len(problems), skipped),
+                     "template": base.template, "stop_strings": base.stop_strings,
+                     "prompt_example": base.prompts[0] if base.prompts else None, "reference": ref_name,
+                     "seconds": round(seconds, 1)},
+        "problems": [{"index": p.index, "question": p.example.prompt if isinstance(p.example.prompt, str)
+                      else p.example.prompt[-1]["content"], "gold": canonical(p.gold)} for p in problems],
+        "models": [],
+        "means": means,
+    }
+    for col in columns:
+        r = col.result
+        preds = []
+        for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored):
+            rec = prediction_record(p, pr, g, s)
+            del rec["prompt"]  # rendered prompts are the same for every model: see problems + prompt_example
+            preds.append(rec)
+        section["models"].append({
+            "name": col.name, "recipe": col.recipe_name, "seed": col.seed, "adapter": col.adapter,
+            "loss": losses.get(col.recipe_name), "metrics": r.metrics, "vs_base": col.vs_base,
+            "vs_reference": col.vs_reference, "predictions": preds})
+    return section
+
+
+def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
+                 seeds: list[int], runs: dict[tuple[str, int], Path], console: Console,
+                 tables: Console) -> tuple[dict, list]:
+    """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows)."""
+    from delft.evaluation.problems import describe_source, load_problems
+    from delft.evaluation.scoring import evaluate_models
+
+    problems, skipped = load_problems(data_cfg, console)
+    heading = f"{len(problems)} problems from {describe_source(data_cfg)}"
+    columns = _columns(contenders, seeds, runs)
+    console.rule(f"[bold]{key}[/]: {heading}")
+    start = time.perf_counter()
+    results = evaluate_models([(col.name, col.adapter) for col in columns], base, problems, data_cfg, recipe_cfg,
+                              console)
+    seconds = time.perf_counter() - start
+    for col, r in zip(columns, results):
+        col.result = r
+    ref_name = reference_name(contenders)
+    boot = recipe_cfg.eval.bootstrap
+    _pair_up(columns, ref_name, boot)
+    means = _seed_means(columns, contenders, seeds, ref_name, boot)
+    _show_tables(key, heading, columns, means, seeds, ref_name, console, tables)
+    section = _section(data_cfg, recipe_cfg, problems, skipped, columns, means, contenders, ref_name, seconds)
+    return section, _plot_results(columns, means, seeds)
+
+
+def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
+    """The transfer eval set as a DataConfig, rendered like the training data (template, system prompt)."""
+    from pydantic import ValidationError
+
+    from delft.recipe import DataConfig
+
+    fields = cfg.data.model_dump()
+    fields.update(source=source, format=fmt, limit=limit, val_size=0)
+    fields.pop("synthetic", None)
+    try:
+        return DataConfig.model_validate(fields)
+    except ValidationError as e:
+        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise UserError(f"invalid transfer set: {problems}", "--transfer/--transfer-format",
+                        "e.g. --transfer data/svamp.json --transfer-format svamp.") from None
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _ci(m: dict, key: str) -> str:
+    ci = m.get(f"{key}_ci")
+    return _pct(m.get(key)) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
+
+
+def _diff(d: Optional[dict]) -> str:
+    if not d:
+        return ""
+    x = d["exact_match"]
+    ci = x["ci"]
+    return f"{100 * x['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
+
+
+def markdown_summary(report: dict) -> str:
+    """The report as Markdown tables (rows: models; seed means after their seeds), for docs and reviews."""
+    lines = [f"Generated by `{report['command']}` (delft {report['delft_version']}).", ""]
+    for key, sec in report["evals"].items():
+        lines += markdown_set(key, sec, report["settings"]["reference"])
+    return "\n".join(lines)
+
+
+def markdown_set(key: str, sec: dict, ref: str) -> list[str]:
+    """One greedy eval set's Markdown: the metrics table (seeds, then their mean) and per-place accuracy."""
+    from delft.evaluation.metrics import place_order
+    from delft.numbers.digits import place_name
+
+    st = sec["settings"]
+    rows = []  # (label, metrics, vs_reference)
+    by_recipe: dict[str, list] = {}
+    for m in sec["models"]:
+        by_recipe.setdefault(m["recipe"] or "base", []).append(m)
+    means = {m["name"]: m for m in sec["means"]}
+    for recipe, models in by_recipe.items():
+        for m in models:
+            label = m["name"] if m["seed"] is None else f"{recipe} (seed {m['seed']})"
+            rows.append((label, m["metrics"], m["vs_reference"]))
+        if recipe in means:
+            rows.append((f"**{recipe} (mean)**", means[recipe]["metrics"], means[recipe]["vs_reference"]))
+    src = st["source"] if st["source"] != "synthetic" else f"synthetic, seed {st['data']['synthetic']['seed']}"
+    lines = [f"### {key}: {st['n']} problems ({src}), greedy, max_new_tokens {st['max_new_tokens']}", "",
+             (f"| model | exact match % [95 % CI] | tolerance match % [95 % CI] | exact vs {ref}, points "
+              "[95 % CI] | digit accuracy % | MAE | log-MAE | no number % |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for label, m, vs in rows:
+        lines.append(f"| {label} | {_ci(m, 'exact_match')} | {_ci(m, 'tolerance_match')} | {_diff(vs)} | "
+                     f"{_pct(m['digit_accuracy'])} | {_num(m['mae'])} | {_num(m['log_mae'])} | "
+                     f"{_pct(m['no_number_rate'])} |")
+    places = place_order(p["place"] for _, m, _ in rows for p in m["per_place"].values())
+    names = [place_name(p) for p in places]
+    counts = [max(m["per_place"].get(n, {}).get("n", 0) for _, m, _ in rows) for n in names]
+    lines += ["", "Per-place digit accuracy, % (n = problems whose gold answer has that place):", "",
+              "| model | " + " | ".join(f"{n} (n={c})" for n, c in zip(names, counts)) + " |",
+              "|---|" + "---|" * len(names)]
+    for label, m, _ in rows:
+        lines.append(f"| {label} | " + " | ".join(_pct(m["per_place"].get(n, {}).get("accuracy"))
+                                                 for n in names) + " |")
+    lines.append("")
+    return lines
+
+
+def _plain(obj):
+    """JSON-safe copy (NaN/inf -> None)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _command(recipe_paths: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str]) -> str:
+    """The command line that reproduces this comparison (in the report, and to resume an interrupted run)."""
+    return shlex.join(["delft", "compare", *map(str, recipe_paths), *[x for s in seeds for x in ("--seed", str(s))],
+                       "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
+
+
+def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Console,
+              command: str) -> tuple[dict[tuple[str, int], Path], dict[str, dict]]:
+    """Every (recipe, seed) run trained, resumed or reused, before any eval: (run directories, what happened)."""
+    runs: dict[tuple[str, int], Path] = {}
+    training: dict[str, dict] = {}
+    for seed in seeds:
+        for c in contenders:
+            cfg = c.for_seed(seed)
+            runs[(c.name, seed)] = Path(cfg.output.dir)
+            training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command)}
+    return runs, training
+
+
+def _transfer_key(transfer_cfg) -> str:
+    key = Path(transfer_cfg.source).stem or "transfer"
+    return "transfer" if key == "synthetic" else key
+
+
+def _plot_path(out: Path, key: str) -> Path:
+    return out / f"places_{key}.png"
+
+
+def _write_plots(sets: dict[str, tuple[dict, list]], seeds: Sequence[int], out: Path) -> None:
+    from delft.evaluation.report import write_plot
+
+    what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+    for key, (section, results) in sets.items():
+        write_plot(results, _plot_path(out, key),
+                   f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})", "--out")
+
+
+def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Sequence[int], base: str,
+                     limit: Optional[int], transfer_cfg, transfer_max_new_tokens: int) -> dict:
+    """What was compared: the recipes, their losses, seeds, and the settings they share."""
+    common = cfg0.to_dict()
+    common.pop("loss")
+    common["output"] = {"dir": str(Path(cfg0.output.dir).parent) + "/<recipe>-seed<N>"}
+    common["train"]["seed"] = "<seed>"
+    return {
+        "base_model": base,
+        "recipes": {c.name: str(c.path) for c in contenders},
+        "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
+        "seeds": list(seeds),
+        "reference": reference_name(contenders),
+        "recipe": common,
+        "synthetic_limit": limit,
+        "transfer": None if transfer_cfg is None else {
+            "source": transfer_cfg.source, "format": transfer_cfg.format, "limit": transfer_cfg.limit,
+            "max_new_tokens": transfer_max_new_tokens},
+    }
+
+
+def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
+                overrides: Sequence[str] = (), console: Optional[Console] = None,
+                transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
+                transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
+                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False) -> dict:
+    """Train what is missing, evaluate base + every run on the synthetic set (and ``transfer``), write the report.
+
+    The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False).
+    Returns the JSON report (also written to ``out/compare.json``).
+    """
+    from delft.evaluation.command import check_runs, resolve_settings
+
+    console = console or Console()
+    seeds = list(dict.fromkeys(seeds)) or [0]
+    if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
+        raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
+                        "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
+    check_output_dir(Path(out), "--out")  # before hours of training, not after
+    contenders = resolve_contenders(recipe_paths, overrides, console)
+    cfg0 = contenders[0].for_seed(seeds[0])
+    transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
+        else None
+    command = _command(recipe_paths, seeds, out, overrides)
+    runs, training = train_all(contenders, seeds, console, command)
+
+    # the settings delft eval would use with the first recipe
+    _, base, synth_cfg, limit, _ = resolve_settings(contenders[0].path, [str(p) for p in runs.values()], None, None,
+                                                    None, None, overrides, console)
+    check_runs([str(p) for p in runs.values()], base)
+    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    sets = {"synthetic": evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)}
+    if transfer_cfg is not None:
+        tcfg = cfg0.model_copy(deep=True)
+        tcfg.eval.max_new_tokens = transfer_max_new_tokens
+        key = _transfer_key(transfer_cfg)
+        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
+
+    out = Path(out)
+    report = _plain({
+        "delft_version": __version__,
+        "command": command,
+        "settings": _report_settings(cfg0, contenders, seeds, base, limit, transfer_cfg, transfer_max_new_tokens),
+        "training": training,
+        "evals": {key: section for key, (section, _) in sets.items()},
+        "plots": {key: str(_plot_path(out, key)) for key in sets},
+    })
+    written = {REPORT: json.dumps(report, indent=1) + "\n", TABLES: tables.export_text(),
+               SUMMARY: markdown_summary(report)}
+    for name, text in written.items():  # the numbers first, then the pictures of them
+        write_result(out / name, text, "--out")
+    _write_plots(sets, seeds, out)
+    console.print(f"[green]wrote[/] {', '.join(str(out / name) for name in written)}, "
+                  + ", ".join(report["plots"].values()))
+    return report

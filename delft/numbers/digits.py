@@ -1,0 +1,192 @@
+"""Digits, numbers and places: the one shared piece used by the losses, eval and inspect.
+
+A *place* is an int: r >= 1 for the r-th integer digit from the right (1 = units, 2 = tens, ...),
+-i for the i-th digit after the decimal point (-1 = tenths, -2 = hundredths, ...).
+
+Run rules (the DEL reference's, docs/losses.md): consecutive characters in '0'..'9' and '.' form a run; the
+first '.' at index > 0 is the decimal point; a run that starts with '.' has no point (every entry counts as
+integer-like). Places count character positions, so in "1.2.3" the '3' is place -3. Dots are never scored.
+Unlike the reference, runs are found per sequence and an ignored label (-100) ends a run. Runs and places
+are properties of the characters, not of the tokens: ``token_places`` finds them across multi-digit tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Optional, Sequence
+from delft.errors import UserError
+
+
+DIGITS = "0123456789"
+
+
+RUN_CHARS = DIGITS + "."
+
+
+FRACTION_DECAY = 1.02  # DEL's fraction weights: 1.02 ** -(i + 1)
+
+
+# Significant digits for exact arithmetic on numbers: Decimal's default 28 would round a sum of two 30-digit
+# operands (and a 30-digit answer's rounding to an integer raises), so long numbers use this context instead.
+DECIMAL_PRECISION = 100
+
+
+def number_runs(chars: Sequence[Optional[str]]) -> list[tuple[int, int]]:
+    """[start, end) of every maximal run of '0'..'9' and '.' (None and other characters end a run)."""
+    runs, start = [], 0
+    while start < len(chars):
+        if chars[start] is None or chars[start] not in RUN_CHARS:
+            start += 1
+            continue
+        end = start
+        while end < len(chars) and chars[end] is not None and chars[end] in RUN_CHARS:
+            end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
+    """Place of every position (None for non-digits, dots and anything outside a number).
+
+    ``chars`` holds one character (or None) per position; None and any character outside '0'..'9' and '.'
+    end a run. Example: list("x12.57.") -> [None, 2, 1, None, -1, -2, None].
+    """
+    places: list[Optional[int]] = [None] * len(chars)
+    for start, end in number_runs(chars):
+        run = chars[start:end]
+        point = next((j for j, c in enumerate(run) if c == "."), None)
+        if point == 0:
+            point = None  # ".5": no decimal point, integer-like
+        for j, c in enumerate(run):
+            if c == ".":
+                continue
+            if point is None:
+                places[start + j] = len(run) - j
+            else:
+                places[start + j] = point - j if j < point else -(j - point)
+    return places
+
+
+def token_places(texts: Sequence[Optional[str]]) -> list[tuple[Optional[int], ...]]:
+    """Places of every character of every token, runs found across tokens (the character-level view).
+
+    ``texts[t]`` is token t's text, or None for a token that is no part of a number (an ignored label, a
+    word); None and empty texts end a run. So "12345" gets the same places as 1|2|3|4|5 or 123|45:
+    ["123", "45"] -> [(5, 4, 3), (2, 1)]; ["3", ".", "14"] -> [(1,), (None,), (-1, -2)]; None -> ().
+    """
+    chars: list[Optional[str]] = []
+    owners: list[int] = []
+    for t, text in enumerate(texts):
+        chars.extend(text if text else [None])
+        owners.extend([t] * (len(text) if text else 1))
+    out: list[list[Optional[int]]] = [[] for _ in texts]
+    for t, c, place in zip(owners, chars, run_places(chars)):
+        if c is not None:
+            out[t].append(place)
+    return [tuple(p) for p in out]
+
+
+PLACE_WEIGHTS = ("reference", "capped", "uniform")  # loss.place_weights
+
+
+DEFAULT_PLACE_WEIGHT_CAP = 10.0
+
+
+def place_weight(place: int, mode: str = "reference", cap: float = DEFAULT_PLACE_WEIGHT_CAP) -> float:
+    """DEL's weight of a digit at ``place``.
+
+    'reference': 2 * r for the r-th integer digit, 1.02 ** -(i + 1) for the i-th fraction digit (grows without
+    bound: a 20-digit integer's leading digit weighs 40); 'capped': the same with integer weights at most
+    ``cap``; 'uniform': 1 everywhere.
+    """
+    if mode == "uniform":
+        return 1.0
+    if mode not in PLACE_WEIGHTS:
+        raise ValueError(f"place weights must be one of {PLACE_WEIGHTS}, not {mode!r}")
+    if place > 0:
+        return 2.0 * place if mode == "reference" else min(2.0 * place, cap)
+    return FRACTION_DECAY ** -(-place + 1)
+
+
+_INTEGER_NAMES = ["units", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands", "millions"]
+
+
+_FRACTION_NAMES = ["tenths", "hundredths", "thousandths", "ten-thousandths"]
+
+
+def place_name(place: int) -> str:
+    if place > 0:
+        return _INTEGER_NAMES[place - 1] if place <= len(_INTEGER_NAMES) else f"10^{place - 1}"
+    i = -place
+    return _FRACTION_NAMES[i - 1] if i <= len(_FRACTION_NAMES) else f"10^-{i}"
+
+
+def exact_context():
+    """A decimal context (``with exact_context(): ...``) precise enough for the longest numbers delft handles."""
+    from decimal import localcontext
+
+    return localcontext(prec=DECIMAL_PRECISION)
+
+
+def digits_by_place(value: Decimal | str | int | float) -> dict[int, str]:
+    """Every digit of a number keyed by place, sign dropped: "-12.5" -> {2: '1', 1: '2', -1: '5'}."""
+    text = format(Decimal(str(value)).copy_abs(), "f") if not isinstance(value, str) else value.lstrip("+-")
+    integer, _, fraction = text.partition(".")
+    integer = integer.lstrip("0") or "0"
+    out = {len(integer) - j: c for j, c in enumerate(integer)}
+    out.update({-(i + 1): c for i, c in enumerate(fraction)})
+    return out
+
+
+@dataclass(frozen=True)
+class DigitVocab:
+    """Token ids of '0'..'9' (in order) and of '.', found in a tokenizer."""
+
+    digit_ids: tuple[int, ...]
+    dot_id: Optional[int]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "DigitVocab":
+        """Find the single-token digits; refuse tokenizers that chunk numbers (Llama-3, GPT-4 style)."""
+        name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+        ids = []
+        for d in DIGITS:
+            enc = tokenizer.encode(d, add_special_tokens=False)
+            toks = [t for t in enc if tokenizer.decode([t]).strip() != ""]
+            if len(toks) != 1 or tokenizer.decode(toks).strip() != d:
+                raise UserError(
+                    f"tokenizer {name!r} does not encode the digit {d!r} as one token (got {enc}), so {purpose} "
+                    "is undefined for it", fix="Use a model whose tokenizer splits numbers into single digits "
+                    "(Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
+            ids.append(toks[0])
+        chunked = tokenizer.encode("1234567890", add_special_tokens=False)
+        chunked = [t for t in chunked if tokenizer.decode([t]).strip() != ""]
+        if chunked != [ids[int(c)] for c in "1234567890"]:
+            raise UserError(
+                f"tokenizer {name!r} merges digits into multi-digit tokens ('1234567890' -> {len(chunked)} tokens, "
+                f"not 10), so {purpose} is undefined for it", fix="Use a model whose tokenizer splits numbers "
+                "into single digits (Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
+        dot = [t for t in tokenizer.encode(".", add_special_tokens=False) if tokenizer.decode([t]) != ""]
+        dot_id = dot[0] if len(dot) == 1 and tokenizer.decode(dot) == "." else None
+        return cls(tuple(ids), dot_id)
+
+    def char_of(self, token_id: int) -> Optional[str]:
+        if token_id in self._lookup:
+            return self._lookup[token_id]
+        return None
+
+    @property
+    def _lookup(self) -> dict[int, str]:
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = {t: d for d, t in zip(DIGITS, self.digit_ids)}
+            if self.dot_id is not None:
+                table[self.dot_id] = "."
+            object.__setattr__(self, "_table", table)
+        return table
+
+    def places(self, token_ids: Sequence[int]) -> list[Optional[int]]:
+        """Places of a token sequence; ignored labels (-100) and other tokens end runs."""
+        return run_places([self.char_of(int(t)) for t in token_ids])

@@ -1,0 +1,92 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+from delft.errors import UserError
+from delft import rundir
+
+
+def rng_states() -> dict:
+    import torch
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def adapter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def check_free_space(where: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise UserError(f"only {free / 2**20:,.0f} MiB are free in {where}, and the {what} needs about "
+                        f"{need / 2**20:,.0f} MiB", "output.dir",
+                        "Free some space (the last checkpoint is kept) and run the same command again to resume.")
+
+
+@contextmanager
+def no_space_is_a_user_error(tmp: Path, what: str):
+    """A full disk while writing: remove the partial temporary folder and say so, instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"the disk filled up while writing the {what} in {tmp.parent}", "output.dir",
+                        "Free some space and run the same command again; the last checkpoint is kept.") from None
+
+
+def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep: int,
+                    rng: Optional[dict] = None) -> Path:
+    """Adapter + optimizer + scheduler + RNG (``rng``: the states to resume with; default the current ones),
+    written to a temporary folder and renamed: never half-written."""
+    import torch
+
+    final = rundir.checkpoint_path(run_dir, step)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng or rng_states()}
+    with no_space_is_a_user_error(tmp, "checkpoint"):
+        model.save_pretrained(tmp)
+        torch.save(state, tmp / rundir.STATE_FILE)
+    rundir.follow_umask(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in rundir.checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
+    import torch
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise UserError(f"checkpoint {ckpt} does not match the model ({len(unexpected)} unexpected keys)",
+                        "output.dir", "Use --force to start over.")
+    state = torch.load(ckpt / rundir.STATE_FILE, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return int(state["step"])

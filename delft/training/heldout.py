@@ -1,0 +1,74 @@
+"""Numeric accuracy while training (``train.accuracy_steps``): greedy exact match on a fixed held-out slice.
+
+The slice is the first ``train.accuracy_examples`` problems of the recipe's eval set (``eval.data``, or the
+synthetic source with the eval seed offset), answered and scored exactly as ``delft eval RECIPE --limit N``
+does (delft.generate.greedy, delft.answers), so the last row in metrics.jsonl equals that command's exact match
+for the final adapter. The validation split is not used: its examples are tokenized for the loss, and the eval
+set is the one a user reads results on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+from rich.console import Console
+
+
+def heldout_data(recipe, n: int):
+    """The eval set's DataConfig limited to its first ``n`` problems (as ``delft eval --limit n`` resolves it)."""
+    from delft.evaluation.problems import disjoint_from_training
+
+    data = recipe.eval_data()
+    limit = min(n, data.limit) if data.limit else n
+    return disjoint_from_training(data.model_copy(update={"limit": limit, "val_size": 0}), recipe.data)
+
+
+@dataclass
+class HeldOut:
+    """The rendered prompts and gold answers of the slice, and how to answer them."""
+
+    problems: Sequence  # delft.evaluate.Problem
+    prompts: list[str]
+    chat: bool
+    stops: list[str]
+    tokenizer: object
+    max_new_tokens: int
+    batch_size: int
+
+    @classmethod
+    def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
+        from delft.data import render_prompt, use_chat_template
+        from delft.evaluation.problems import load_problems
+        from delft.evaluation.generation import stop_strings
+
+        data = heldout_data(recipe, recipe.train.accuracy_examples)
+        problems, _ = load_problems(data, console)
+        chat = use_chat_template(tokenizer, data)
+        prompts = [render_prompt(p.example, tokenizer, data) for p in problems]
+        return cls(problems, prompts, chat, stop_strings(tokenizer, chat), tokenizer, recipe.eval.max_new_tokens,
+                   recipe.eval.batch_size)
+
+    def measure(self, model) -> dict:
+        """Exact match, tolerance match and digit accuracy of greedy answers; ``model`` is left as it was.
+
+        Generation needs eval mode (no LoRA dropout; HF turns the KV cache off while gradient checkpointing
+        trains) and ``use_cache`` on, which training turns off.
+        """
+        from delft.numbers.answers import extract_answer, score
+        from delft.evaluation.metrics import summarize
+        from delft.evaluation.generation import greedy
+
+        was_training, use_cache = model.training, getattr(model.config, "use_cache", None)
+        model.eval()
+        model.config.use_cache = True
+        try:
+            generations = greedy(model, self.tokenizer, self.prompts, self.max_new_tokens, self.chat,
+                                 self.batch_size)
+        finally:
+            model.config.use_cache = use_cache
+            if was_training:
+                model.train()
+        scored = [score(extract_answer(g.text, self.stops), p.gold) for g, p in zip(generations, self.problems)]
+        m = summarize(scored, resamples=0)
+        return {"accuracy": m["exact_match"], "tolerance_accuracy": m["tolerance_match"],
+                "digit_accuracy": m["digit_accuracy"], "accuracy_n": m["n"]}

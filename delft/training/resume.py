@@ -1,0 +1,111 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+from rich.console import Console
+from delft.errors import UserError
+from delft import rundir
+from delft.training import distributed as dist
+from delft.recipe import Recipe, load_recipe, recipe_differences
+from delft.rundir import latest_checkpoint, write_atomic
+
+
+# Keys a resumed run may change: schedule length and bookkeeping, and how the loss is computed (chunk size, Liger
+# or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish where Liger is missing.
+RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps",
+                    "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss",
+                    "train.accuracy_steps", "train.accuracy_examples", "eval")
+
+
+def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
+                    console: Console, stale_pid: Optional[int] = None) -> tuple[Path, Optional[Path], bool]:
+    """(run dir, checkpoint to resume or None, replace the existing dir?): a fresh run or a resume.
+
+    Never overwrites a user's run without --force, and even then only later, once the model and data have
+    loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
+    Called with the run directory's lock held (delft.runlock), so no other training is using it, and after
+    ``check_replaceable`` (run_training checks before the lock file is made beside the directory).
+    """
+    run_dir = Path(recipe.output.dir)
+    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    exists = run_dir.is_dir() and any(run_dir.iterdir())
+    status = rundir.status(run_dir) if run_dir.is_dir() else None
+    if exists and ckpt is None and status in (rundir.RUNNING, rundir.INTERRUPTED) and not force:
+        who = f" (pid {stale_pid})" if stale_pid else ""
+        console.print(f"[yellow]{run_dir} holds a run{who} that stopped before its first checkpoint: starting "
+                      "over.[/]")
+        return run_dir, None, True
+    if force and exists:
+        if not rundir.is_run_dir(run_dir):
+            raise UserError(f"--force replaces only a delft run directory, and {run_dir} is not one (it has no "
+                            f"{rundir.RUN_INFO})", "output.dir",
+                            "Point output.dir at a new directory or an earlier run; delft never deletes other data.")
+        return run_dir, None, True
+    if resume is True and ckpt is None:
+        raise UserError(f"--resume was given but {run_dir} holds no checkpoint", "output.dir",
+                        "Drop --resume to start a new run.")
+    if exists and status == rundir.COMPLETED:
+        raise UserError(f"{run_dir} already holds a finished run", "output.dir",
+                        "Choose another output.dir (e.g. --set output.dir=runs/new) or pass --force to replace it.")
+    if ckpt is not None and resume is not False:
+        saved = load_recipe(run_dir / rundir.RECIPE)
+        diff = recipe_differences(saved, recipe, RESUME_FREE_KEYS)
+        diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
+        if diff:
+            raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
+                            "differ)", "output.dir",
+                            "Use another output.dir, restore the recipe, or pass --force to start over.")
+        console.print(f"[bold cyan]Resuming[/] from {ckpt} (pass --no-resume --force to start over).")
+        return run_dir, ckpt, False
+    if exists:
+        what = "an interrupted run" if ckpt else "files"
+        raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
+                        "Choose another output.dir or pass --force to replace it.")
+    return run_dir, None, False
+
+
+def check_replaceable(run_dir: Path) -> None:
+    """Refuse an output.dir that is no place for a run: the current directory, one above it, home, a file."""
+    where = run_dir.expanduser().resolve()
+    here = Path.cwd().resolve()
+    if str(run_dir).strip() in ("", ".") or where == here or where in here.parents or where == Path.home().resolve():
+        raise UserError(f"output.dir {str(run_dir)!r} is {where}, which holds the current directory or your home",
+                        "output.dir", "Name a directory of its own for the run, e.g. output.dir: runs/my-run.")
+    if where.exists() and not where.is_dir():
+        raise UserError(f"{run_dir} exists and is not a directory", "output.dir",
+                        "Choose another output.dir; delft does not replace files.")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Before any weights load: a run directory delft could not write to is refused now, not after setup."""
+    place = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
+    if not place.is_dir():
+        raise UserError(f"{place} is a file, so {run_dir} cannot be made inside it", "output.dir",
+                        "Choose an output.dir whose parent is a directory.")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise UserError(f"{place} is not writable, so the run cannot be saved in {run_dir}", "output.dir",
+                        "Choose an output.dir in a directory you can write to.")
+
+
+def _truncate_metrics(path: Path, step: int, console: Console) -> None:
+    """On resume, forget log lines written after the checkpoint (they will be written again); a last line
+    half-written by a killed run is dropped, and said so."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, ln in enumerate(lines):
+        try:
+            rows.append((ln, json.loads(ln)))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise UserError(f"{path} line {i + 1} is not JSON", "output.dir",
+                                "Fix or delete that line (it is a log; the checkpoint holds the state).") from None
+            console.print(f"[yellow]{path.name}: dropped a half-written last line (the run was stopped while "
+                          "writing it)[/]")
+    keep = [ln for ln, row in rows if isinstance(row, dict) and row.get("step", 0) <= step]
+    write_atomic(path, "".join(ln + "\n" for ln in keep))

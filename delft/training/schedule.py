@@ -1,0 +1,33 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from delft.recipe import Recipe
+
+
+@dataclass
+class Schedule:
+    """How the training set becomes optimizer steps: micro-batches per epoch, steps, warmup steps."""
+
+    micro_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+
+def make_schedule(recipe: Recipe, n_train: int, world_size: int = 1) -> Schedule:
+    t = recipe.train
+    micro = math.ceil(n_train / t.batch_size)
+    total = t.max_steps or max(1, math.ceil(t.epochs * micro / (t.grad_accum * world_size)))
+    return Schedule(micro, total, int(round(t.warmup_ratio * total)))
+
+
+def micro_batch_items(train, recipe: Recipe, schedule: Schedule, index: int):
+    """The index-th micro-batch of the endless, per-epoch shuffled stream (deterministic for resume)."""
+    epoch, k = divmod(index, schedule.micro_per_epoch)
+    order = list(range(len(train)))
+    random.Random(recipe.train.seed * 7919 + epoch).shuffle(order)
+    bs = recipe.train.batch_size
+    return [train[i] for i in order[k * bs:(k + 1) * bs]]

@@ -1,0 +1,92 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from rich.console import Console
+from delft.errors import UserError
+from delft.training import distributed as dist
+from delft.recipe import Recipe
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built from the recipe (tokenizer, data and loss before any weights load)."""
+
+    recipe: Recipe
+    device: str
+    quantization: str
+    tokenizer: object
+    loss: object  # delft.losses.Loss
+    train: list
+    val: list
+    stats: object
+    model_ref: object
+
+
+def setup(recipe: Recipe) -> Setup:
+    from delft.data import build_datasets
+    from delft.losses.loss import Loss
+    from delft.numbers.tokens import NumberVocab
+    from delft.models.loading import load_tokenizer, resolve_device, resolve_quantization
+    from delft.models.sources import resolve_model
+
+    device = resolve_device(recipe.model.device)
+    quant = resolve_quantization(recipe.quantization.mode, device)
+    ref = resolve_model(recipe.model.name, recipe.model.revision)
+    tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
+    if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
+        vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
+    else:
+        try:
+            vocab = NumberVocab.from_tokenizer(tokenizer)
+        except UserError:
+            vocab = None  # CE needs no digit tokens; counts are just not reported
+    loss = Loss.from_recipe(recipe, vocab, device, dist.world_size())
+    train, val, stats = build_datasets(recipe.data, tokenizer, recipe.train.seed,
+                                       set(vocab.ids) if vocab else None)
+    return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)
+
+
+def build_model(s: Setup, console: Console):
+    """(model with LoRA, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu", "rope"])."""
+    import torch
+
+    from delft.losses.types import FUSED_CE
+    from delft.models.loading import apply_liger_layers, apply_lora, load_model, resolve_dtype
+
+    r = s.recipe
+    dtype = resolve_dtype(r.model.dtype, s.device)
+    torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
+    model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
+                       r.model.revision, r.model.trust_remote_code)
+    kernels = apply_liger_layers(model) if s.loss.fused else []
+    if s.loss.fused:
+        console.print(f"[bold]kernels[/] Liger {', '.join([FUSED_CE] + kernels)}")
+    model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
+    model.train()  # HF skips gradient checkpointing in eval mode (docs/gpu.md: 25 GiB instead of 8.6)
+    return model, dtype, kernels
+
+
+def describe(s: Setup, model, dtype, console: Console) -> None:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    st = s.stats
+    chosen = "(auto)" if s.recipe.quantization.mode == "auto" else ""
+    console.print(f"[bold]model[/] {s.recipe.model.name} {('- ' + s.model_ref.note) if s.model_ref.note else ''}")
+    console.print(f"  device {s.device}, dtype {str(dtype).replace('torch.', '')}, quantization {s.quantization} "
+                  f"{chosen}, LoRA r={s.recipe.lora.r}: {trainable:,} trainable of {total:,} parameters")
+    console.print(f"[bold]data[/] {st.examples} examples -> {st.train} train / {st.val} validation; "
+                  f"{st.label_tokens:,} trainable labels, {st.digit_labels:,} digit labels "
+                  f"({st.digit_labels / max(1, st.label_tokens):.0%})")
+    if st.truncated:
+        console.print(f"  [yellow]{st.truncated} examples were truncated to data.max_length={s.recipe.data.max_length}[/]")
+    if st.fully_masked:
+        console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
+    lt = s.recipe.loss
+    term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
+    from delft.losses.types import GLOBAL
+
+    how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
+           f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")
+    console.print(f"[bold]loss[/] CE + {term} ({how})")

@@ -1,0 +1,54 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Optional
+
+
+class StopSignals:
+    """While training, SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt, so either one saves a
+    checkpoint and exits; inside ``atomic()`` (committing an optimizer step) the signal waits for its end, so
+    a checkpoint never holds half a step. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._deferring, self._pending, self._old = False, False, {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:  # a repeat (torchrun forwards the launcher's signal too) must not cut the save short
+            return
+        self.received = signum
+        if self._deferring:
+            self._pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    @contextmanager
+    def atomic(self):
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGINT)

@@ -1,0 +1,278 @@
+"""The training loop: recipe -> QLoRA adapter, with checkpoints, exact resume and a live display.
+
+A plain loop rather than HF Trainer, because delft's loss needs the whole optimizer batch's counts before
+the first micro-batch (so CE and the digit term are each a mean over the optimizer batch, independent of
+how it is split into micro-batches) and works from hidden states, never full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+from rich.console import Console
+from delft.errors import UserError
+from delft import rundir
+from delft.training import distributed as dist
+from delft.recipe import Recipe, dump_recipe
+from delft.rundir import write_atomic
+from delft.training.checkpoints import adapter_bytes, check_free_space, load_checkpoint, no_space_is_a_user_error, rng_states, save_checkpoint
+from delft.training.report import peak_memory_gb, plot_losses
+from delft.training.resume import _truncate_metrics, check_replaceable, check_writable, prepare_run_dir
+from delft.training.schedule import make_schedule, micro_batch_items
+from delft.training.setup import Setup, build_model, describe, setup
+from delft.training.signals import StopSignals
+from delft.training.step import evaluate_loss, optimizer_step
+
+
+class Trainer:
+    """One run's optimizer, schedule and run directory, and the loop that steps, logs, validates and saves."""
+
+    def __init__(self, s: Setup, model, run_dir: Path, console: Console):
+        import torch
+        from transformers import get_scheduler
+
+        t = s.recipe.train
+        self.s, self.model, self.run_dir, self.console = s, model, run_dir, console
+        self.recipe, self.loss = s.recipe, s.loss
+        self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.schedule.warmup_steps,
+                                       num_training_steps=self.schedule.total_steps)
+        self.metrics_path = run_dir / rundir.METRICS
+        self.term_name = s.recipe.loss.type.upper() if s.recipe.loss.type != "ce" else "digit"
+        self.step = 0
+        self.stops = StopSignals()
+        self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
+        self.heldout = None  # delft.heldout.HeldOut when train.accuracy_steps is set
+        if t.accuracy_steps:
+            from delft.training.heldout import HeldOut
+
+            self.heldout = HeldOut.from_recipe(s.recipe, s.tokenizer, console)
+
+    # -- run directory
+
+    def open_run_dir(self, ckpt: Optional[Path], replace: bool, kernels: list[str]) -> None:
+        """Replace (--force) or resume the run directory, only now that model and data have loaded."""
+        from delft.rundir import architecture
+
+        if not dist.is_main():  # reads the checkpoint; rank 0 alone writes the run directory
+            self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler) if ckpt else 0
+            return
+        if replace:
+            self.console.print(f"[yellow]--force: replacing {self.run_dir}[/]")
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is not None:
+            self.step = self.resume_from(ckpt)
+            _truncate_metrics(self.metrics_path, self.step, self.console)
+            earlier = rundir.read_info(self.run_dir).get("loss_path")  # a resumed run may change paths
+            self.loss.ran.update(earlier.split("+") if earlier else ())
+        write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
+        s = self.s
+        rundir.write_info(self.run_dir, {
+            "status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
+            "architecture": architecture(self.model.get_base_model().config), "quantization": s.quantization,
+            "loss": self.recipe.loss.type, "loss_weight": self.recipe.loss.weight, "loss_path": self.loss.path_ran,
+            "step": self.step, "total_steps": self.schedule.total_steps, "liger_kernels": kernels,
+            "data": asdict(s.stats),
+            "world_size": dist.world_size()})
+
+    def resume_from(self, ckpt: Path) -> int:
+        """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
+        older = [c for c in reversed(rundir.checkpoints(self.run_dir)) if c.name < ckpt.name]
+        for candidate in [ckpt, *older]:
+            try:
+                return load_checkpoint(candidate, self.model, self.optimizer, self.scheduler)
+            except UserError:
+                raise
+            except Exception as e:  # truncated safetensors, a broken pickle, a missing file: many types
+                self.console.print(f"[yellow]checkpoint {candidate} cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:120] if str(e) else ''}); trying an older one[/]")
+        raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run_dir)} can be read", "output.dir",
+                        "Pass --force to start the run over.")
+
+    def save(self, status: Optional[str] = None) -> Optional[Path]:
+        if not dist.is_main():
+            return None
+        t = self.recipe.train
+        path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints,
+                               self.step_rng)
+        rundir.update_info(self.run_dir, step=self.step, loss_path=self.loss.path_ran,
+                           **({"status": status} if status else {}))
+        return path
+
+    # -- steps
+
+    def batch(self, index: int) -> dict:
+        from delft.data import collate, collate_packed
+
+        items = micro_batch_items(self.s.train, self.recipe, self.schedule, index)
+        pad_id = self.s.tokenizer.pad_token_id
+        if self.recipe.data.packing:
+            return collate_packed(items, pad_id, self.recipe.data.max_length)
+        return collate(items, pad_id)
+
+    def train_step(self) -> tuple[dict, float]:
+        """One optimizer step: (Loss.means of it, gradient norm before clipping)."""
+        import torch
+
+        t = self.recipe.train
+        self.step_rng = rng_states()  # an interrupt before the step commits resumes from exactly here
+        batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
+        dist.seed_step(t.seed, self.step)
+        out = optimizer_step(self.model, batches, self.loss, self.s.device)
+        dist.all_reduce_grads(self.params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+        with self.stops.atomic():
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.step_rng = None
+        if not math.isfinite(out["loss"]):
+            raise UserError(f"the loss became {out['loss']} at step {self.step}", "train.learning_rate",
+                            "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
+        return out, float(grad_norm)
+
+    def _append_metrics(self, row: dict) -> None:
+        if not dist.is_main():
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def log(self, out: dict, grad_norm: float, tokens_per_s: float, stats: str) -> None:
+        row = {"step": self.step, "loss": out["loss"], "ce": out["ce"], "term": out["term"],
+               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+               "peak_mem_gb": peak_memory_gb(self.s.device), "digit_logit": out.get("digit_logit"),
+               "p_digit": out.get("p_digit")}
+        self._append_metrics(row)
+        self.console.print(f"step {self.step:>5}/{self.schedule.total_steps}  {stats}  lr {row['lr']:.2e}  "
+                           f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
+
+    def validate(self) -> None:
+        if not dist.is_main():  # validation loss runs on rank 0 alone; the others wait at the next step
+            return
+        ev = evaluate_loss(self.model, self.s.val, self.loss, self.recipe.train.batch_size,
+                           self.s.tokenizer.pad_token_id, self.s.device)
+        self._append_metrics({"step": self.step, **ev})
+        self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
+                           f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
+
+    def measure_accuracy(self) -> None:
+        """Greedy exact match on the held-out slice (delft.heldout), logged and shown; rank 0 alone, like validation."""
+        if not dist.is_main():
+            return
+        row = {"step": self.step, **self.heldout.measure(self.model)}
+        self._append_metrics(row)
+        self.console.print(f"step {self.step:>5}  held-out exact match {100 * row['accuracy']:.1f} % of "
+                           f"{row['accuracy_n']}  (digits {100 * (row['digit_accuracy'] or 0):.1f} %)",
+                           highlight=False)
+
+    # -- the loop
+
+    def train(self, resume_command: str) -> None:
+        """Step to the end with a live display; Ctrl-C (SIGTERM) saves a checkpoint and exits 130 (143)."""
+        import torch
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        t, total = self.recipe.train, self.schedule.total_steps
+        self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
+                           f"{dist.describe()}({self.schedule.micro_per_epoch} micro-batches per epoch), "
+                           f"run directory {self.run_dir}")
+        if self.s.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.model.train()
+        window_tokens, window_start = 0, time.perf_counter()
+        with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                      console=self.console, transient=True) as progress, self.stops:
+            task = progress.add_task("train", total=total, completed=self.step, stats="")
+            try:
+                while self.step < total:
+                    out, grad_norm = self.train_step()
+                    window_tokens += out["tokens"]
+                    rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                    stats = f"loss {out['loss']:.4f}  ce {out['ce']:.4f}  {self.term_name} {out['term']:.4f}"
+                    if out.get("p_digit") is not None:  # the shift of the raw digit logits and P(correct digit)
+                        stats += f"  digit logit {out['digit_logit']:+.1f}  P(digit) {out['p_digit']:.2f}"
+                    progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
+                                                                     f"peak {peak_memory_gb(self.s.device):.2f} GB")
+                    last = self.step == total
+                    if self.step % t.logging_steps == 0 or last:
+                        self.log(out, grad_norm, rate, stats)
+                        window_tokens, window_start = 0, time.perf_counter()
+                    if self.s.val and (self.step % t.eval_steps == 0 or last):
+                        self.validate()
+                    if self.heldout is not None and (self.step % t.accuracy_steps == 0 or last):
+                        self.measure_accuracy()
+                    if self.step % t.save_steps == 0 and not last:
+                        self.save()
+            except KeyboardInterrupt:
+                progress.stop()
+                self.save_interrupted(resume_command)
+
+    def save_interrupted(self, resume_command: str) -> None:
+        """After Ctrl-C or SIGTERM: a checkpoint of the last whole step (kept when it exists), then exit."""
+        path = rundir.checkpoint_path(self.run_dir, self.step)
+        if path in rundir.checkpoints(self.run_dir):
+            rundir.update_info(self.run_dir, step=self.step, status=rundir.INTERRUPTED, loss_path=self.loss.path_ran)
+        else:
+            path = self.save(rundir.INTERRUPTED)
+        how = "Interrupted" if self.stops.received != signal.SIGTERM else "Stopped (SIGTERM)"
+        self.console.print(f"\n[yellow]{how}.[/] Saved {path} (step {self.step}/{self.schedule.total_steps}). "
+                           f"Resume with: {resume_command}")
+        raise SystemExit(self.stops.exit_code)
+
+    def finish(self) -> None:
+        """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
+        if not dist.is_main():
+            return
+        run_dir = self.run_dir
+        tmp = run_dir / ".final-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        check_free_space(run_dir, adapter_bytes(self.model) + 2**24, "adapter and tokenizer")
+        with no_space_is_a_user_error(tmp, "adapter"):
+            self.model.save_pretrained(tmp)
+            self.s.tokenizer.save_pretrained(tmp)
+        rundir.follow_umask(tmp)
+        for f in tmp.iterdir():
+            os.replace(f, run_dir / f.name)
+        tmp.rmdir()
+        if self.metrics_path.is_file():
+            plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
+        rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran)
+        shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
+        self.console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
+
+
+def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
+                 console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
+    """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
+    or, with ``force``, a replaced earlier run. Returns the run directory."""
+    from delft.training.lock import run_lock
+
+    dist.start(recipe.model.device)
+    console = dist.rank_console(console or Console())
+    check_replaceable(Path(recipe.output.dir))
+    check_writable(Path(recipe.output.dir))  # the lock file goes beside the run directory
+    with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
+        run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
+        random.seed(recipe.train.seed)
+        s = setup(recipe)
+        model, dtype, kernels = build_model(s, console)
+        describe(s, model, dtype, console)
+        trainer = Trainer(s, model, run_dir, console)
+        dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
+        trainer.open_run_dir(ckpt, replace, kernels)
+        trainer.train(resume_command)
+        trainer.finish()
+    return run_dir
