@@ -24,6 +24,7 @@ from delft.numbers.digits import DigitVocab, place_weight
 # Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
 # ../shared beside the checkout. Sources and licenses: tests/data/README.md.
 DATA = Path(__file__).resolve().parent / "data"
+REPO = Path(__file__).resolve().parent.parent  # the checkout: recipes/, docs/, README.md
 
 
 def write_yaml(path: Path, data: dict) -> Path:

@@ -1,12 +1,14 @@
 from pathlib import Path
 
 import pytest
+
+from helpers import REPO
 import yaml
 
 from delft.errors import UserError
 from delft.recipe import load_recipe, parse_overrides
 
-RECIPES = sorted(p for p in Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml")
+RECIPES = sorted(p for p in REPO.joinpath("recipes").rglob("*.yaml")
                  if not p.name.endswith(".study.yaml"))  # study files: tests/test_study.py
 
 

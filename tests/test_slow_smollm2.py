@@ -1,10 +1,11 @@
 """The real model: SmolLM2-135M-Instruct from PyPI (first use downloads ~93 MB and converts it once)."""
 
-from pathlib import Path
 
 import pytest
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+from helpers import REPO
+
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 @pytest.mark.slow

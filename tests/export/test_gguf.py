@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import REPO
 from typer.testing import CliRunner
 
 from delft.cli import app
@@ -121,7 +123,7 @@ def smol_run(tmp_path_factory) -> Path:
     from delft.training.trainer import run_training
 
     root = tmp_path_factory.mktemp("gguf")
-    quickstart = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    quickstart = REPO / "recipes" / "quickstart.yaml"
     recipe = load_recipe(quickstart, ["train.max_steps=2", "train.eval_steps=2", "data.synthetic.n=48",
                                       "data.val_size=8", f"output.dir={root / 'run'}", "model.device=cpu"])
     return run_training(recipe)

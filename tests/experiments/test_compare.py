@@ -1,7 +1,6 @@
 """delft compare: the shipped recipes differ only in the loss; a tiny end-to-end compare; refusals."""
 
 import json
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -11,9 +10,9 @@ from delft.cli import app
 from delft.experiments.compare import resolve_contenders, run_compare
 from delft.recipe import flat_keys
 from delft.errors import UserError
-from helpers import write_yaml
+from helpers import REPO, write_yaml
 
-COMPARE = Path(__file__).parent.parent / "recipes" / "compare"
+COMPARE = REPO / "recipes" / "compare"
 
 
 def quiet() -> Console:

@@ -2,7 +2,6 @@
 pooling, the detectable difference); refusals."""
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,10 +12,10 @@ from delft.cli import app
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.experiments.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
-from helpers import DATA, write_yaml
+from helpers import REPO, DATA, write_yaml
 
-STUDIES = sorted((Path(__file__).parent.parent / "recipes" / "study").glob("*.study.yaml"))
-QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 def quiet() -> Console:
@@ -48,7 +47,7 @@ def test_shipped_studies_resolve(path, tmp_path):
 
 
 def test_worked_study_evaluates_enough_gold_solutions_with_room_to_reason():
-    study = load_study(Path(__file__).parent.parent / "recipes" / "study" / "worked.study.yaml")
+    study = load_study(REPO / "recipes" / "study" / "worked.study.yaml")
     gold = [s for s in study.evals.values() if s.mode == "teacher_forced"]
     greedy = [s for s in study.evals.values() if s.mode == "greedy"]
     assert gold and all(s.limit >= 300 and s.format == "gsm8k" for s in gold)
