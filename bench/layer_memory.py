@@ -6,7 +6,7 @@ Builds 2-layer random-init Qwen2 models with the layer shapes of docs/gpu.md's 0
 every projection, non-reentrant gradient checkpointing, as delft trains), runs one forward and backward of T
 tokens, and counts every tensor storage the step allocates through torch's dispatcher (a TorchDispatchMode that
 adds a storage's bytes when an op creates it and subtracts them when it is freed; weights and buffers are not
-counted). "Liger" applies delft.models.apply_liger_layers (RMSNorm, SwiGLU, RoPE), whose Triton kernels run
+counted). "Liger" applies delft.models.loading.apply_liger_layers (RMSNorm, SwiGLU, RoPE), whose Triton kernels run
 under Triton's interpreter (TRITON_INTERPRET=1): they allocate their outputs through torch exactly as on a GPU,
 and their internal work, which lives in registers and shared memory on a GPU, is not a torch allocation here
 either. What this cannot see: the CUDA caching allocator's rounding, cuBLAS workspaces and kernels that

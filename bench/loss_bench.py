@@ -60,8 +60,8 @@ def build():
 
 def step_fn(config, model, ids, labels):
 
-    from delft.numbers.digits import DigitVocab
     from delft.losses.loss import Loss
+    from delft.numbers.digits import DigitVocab
 
     vocab = DigitVocab(DIGIT_IDS, DOT_ID)
     loss_fn = Loss("del", 0.3, vocab, chunk_size=SETUP["chunk_size"]) if config == "delft_ce_del" else \

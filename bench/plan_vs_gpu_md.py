@@ -1,4 +1,4 @@
-"""delft.plan's estimate against the H200 measurements of docs/gpu.md; writes bench/results/plan_vs_gpu_md.json.
+"""delft.training.plan's estimate against the H200 measurements of docs/gpu.md; writes bench/results/plan_vs_gpu_md.json.
 
     python bench/plan_vs_gpu_md.py      # instant: pure arithmetic on config dicts, no torch, no files read
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from delft import plan  # noqa: E402
+from delft.training import plan  # noqa: E402
 
 
 def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
@@ -61,7 +61,7 @@ def main():
                "random-init Qwen2 shapes, nf4 + double quant, bf16, LoRA r=16 all-linear, no dropout, "
                "non-reentrant gradient checkpointing, CE over every position in chunks of 1024)",
         measured="torch.cuda.max_memory_allocated, warmup steps included",
-        estimate="delft.plan.plan_memory(...)['peak_allocated'] for the same recipe (fused_loss off)",
+        estimate="delft.training.plan.plan_memory(...)['peak_allocated'] for the same recipe (fused_loss off)",
         probe_leftover=__doc__.split("\n\n")[1].replace("\n", " "),
         constants=dict(NF4_BYTES=plan.NF4_BYTES, LORA_BYTES=plan.LORA_BYTES, LAYER_H=plan.LAYER_H,
                        LAYER_I=plan.LAYER_I, LAYER_FIT=plan.LAYER_FIT, ALLOCATOR_SLACK=plan.ALLOCATOR_SLACK,

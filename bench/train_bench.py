@@ -8,7 +8,7 @@ Every configuration runs in a fresh subprocess on the same model, the same examp
 same batch shapes, with the same LoRA (r=16, alpha 32, no dropout, all linear projections), AdamW (lr 2e-4),
 gradient clipping at 1.0 and non-reentrant gradient checkpointing:
 
-  delft_*      delft's own step: delft.train.optimizer_step with the recipe's delft.losses.Loss
+  delft_*      delft's own step: delft.training.step.optimizer_step with the recipe's delft.losses.loss.Loss
                (hidden states from the decoder, CE in checkpointed chunks over labelled rows, digit term from the
                ten digit rows); *_packed uses delft.data.collate_packed instead of padding.
   trainer_ce   the usual pipeline: transformers Trainer, model(labels=...) (full-vocabulary logits), peft LoRA;
@@ -223,8 +223,8 @@ def run_delft(spec: dict) -> dict:
     from rich.console import Console
 
     from delft.data import collate, collate_packed
-    from delft.losses.types import FUSED_CE
     from delft.losses.loss import Loss
+    from delft.losses.registry import FUSED_CE
     from delft.training.step import optimizer_step
 
     config, gpu = spec["config"], spec["gpu"]
@@ -232,9 +232,9 @@ def run_delft(spec: dict) -> dict:
     packed = config.endswith("_packed")
     quiet = Console(file=open(os.devnull, "w"))
     if gpu:
-        from delft.numbers.digits import DigitVocab
-        from delft.models.sources import ModelRef
         from delft.models.loading import apply_liger_layers, apply_lora, load_model
+        from delft.models.sources import ModelRef
+        from delft.numbers.digits import DigitVocab
         from delft.recipe import validate_recipe
 
         size = spec["size"]
@@ -377,8 +377,8 @@ def peer_model(spec: dict):
         rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(b["input_ids"].shape[0])]
         tokens = positions = [b["input_ids"].numel() for b in batches]
     else:
-        from delft.numbers.tokens import IGNORE
         from delft.models.sources import resolve_model
+        from delft.numbers.tokens import IGNORE
 
         s, items, pad = cpu_items()
         path = resolve_model(CPU_SETUP["model"]).path

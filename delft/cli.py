@@ -77,8 +77,8 @@ def train(
     nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes (one per GPU), via torchrun."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
-    from delft.training.distributed import launched, relaunch, strip_nproc, world_size
     from delft.recipe import load_recipe
+    from delft.training.distributed import launched, relaunch, strip_nproc, world_size
     from delft.training.trainer import run_training
 
     cfg = load_recipe(recipe, set_)
@@ -162,8 +162,8 @@ def export(
         help="Load the GGUF files in llama.cpp and compare logits (default: when llama-cpp-python is installed)."),
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
-    from delft.export.merge import run_export
     from delft.export.gguf import export_gguf, prepare_gguf
+    from delft.export.merge import run_export
 
     plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force)
     result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,

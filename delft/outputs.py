@@ -1,4 +1,7 @@
-"""Where results go: output paths checked before the long work, and results written whole or not at all.
+"""Where results go: output paths checked before the long work, and files written whole or not at all.
+
+Every file or directory delft writes for a user goes through ``staged`` (a hidden temporary sibling, renamed
+into place when complete, removed on any failure) and ``follow_umask`` (the modes the user's umask asks for).
 
 eval, inspect and compare spend minutes computing before they write ``--json``, ``--plot`` or ``--out``; a
 path that cannot be written must be refused first, not after every model was evaluated.
@@ -7,11 +10,63 @@ path that cannot be written must be refused first, not after every model was eva
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 from delft.errors import UserError
-from delft.rundir import write_atomic
+
+
+def temporary_sibling(path: Path, suffix: str = "") -> Path:
+    """A hidden name beside ``path`` (same filesystem, so the final rename is atomic), unique to this process."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+
+
+def remove(path: Path) -> None:
+    """Remove a file, a link or a directory tree; nothing there is fine."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, path: Path, shared: Optional[Callable[[Path], bool]] = None) -> None:
+    """Rename a finished ``tmp`` onto ``path``, replacing what is there. With ``shared`` (a test that ``path`` is
+    a complete copy, for caches several processes fill), a complete copy another process published first is kept
+    (it may be in use) and ``tmp`` dropped; an incomplete leftover is replaced."""
+    path = Path(path)
+    if path.exists() and not (shared and shared(path)):
+        remove(path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if not (shared and shared(path)):
+            raise
+        remove(tmp)
+
+
+@contextmanager
+def staged(path: Path, suffix: str = "", shared: Optional[Callable[[Path], bool]] = None) -> Iterator[Path]:
+    """Write ``path`` (a file or a directory) under the yielded temporary sibling; when the block ends it is
+    published onto ``path`` whole, and on any failure (an error, a full disk, Ctrl-C) it is removed."""
+    tmp = temporary_sibling(path, suffix)
+    remove(tmp)
+    try:
+        yield tmp
+        publish(tmp, path, shared)
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write a file whole or not at all."""
+    with staged(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
 def nearest_existing(path: Path) -> Path:
@@ -99,3 +154,26 @@ def follow_umask(directory: Path) -> None:
     for p in directory.rglob("*"):
         if not p.is_symlink():
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def pct(x: Optional[float], unit: str = " %", digits: int = 1) -> str:
+    """A rate in [0, 1] as a percentage for tables and summaries; '-' where undefined."""
+    return "-" if x is None else f"{100 * x:.{digits}f}{unit}"
+
+
+def num(x: Optional[float], spec: Optional[str] = None) -> str:
+    """A metric value: four significant figures (scientific past a million) unless ``spec``; '-' where undefined."""
+    if x is None:
+        return "-"
+    if spec:
+        return format(x, spec)
+    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
+
+
+def human_size(n: float) -> str:
+    """Bytes in decimal units (B, KB, MB, GB, TB), as disk tools print them."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

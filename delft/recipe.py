@@ -15,8 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from delft.errors import UserError
+from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
-from delft.losses.types import GLOBAL, LOSS_TYPES, NORMALISATIONS
 
 # Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
 EVAL_SEED_OFFSET = 1_000_003
@@ -348,7 +348,7 @@ def _recipe_text(path: Path) -> str:
     return text
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> dict:
     text = _recipe_text(path)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
@@ -374,7 +374,7 @@ def recipe_chain(path: str | Path) -> list[Path]:
         if any(current.resolve() == p.resolve() for p in chain):
             loop = " -> ".join(str(p) for p in [*chain, current])
             raise UserError(f"recipe bases form a cycle: {loop}", str(chain[0]), "Remove one of the base: keys.")
-        data = _read_yaml(current)
+        data = read_yaml(current)
         chain.append(current)
         base = data.get(BASE_KEY)
         if base is None:
@@ -394,7 +394,7 @@ def read_recipe_data(path: str | Path) -> dict:
     """A recipe file as a plain dict with its ``base:`` chain merged in (deep; the extending file wins)."""
     data: dict = {}
     for p in reversed(recipe_chain(path)):
-        layer = dict(_read_yaml(p))
+        layer = dict(read_yaml(p))
         layer.pop(BASE_KEY, None)
         data = _merge(data, layer)
     return data

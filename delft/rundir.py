@@ -9,11 +9,11 @@ counts, step), ``metrics.jsonl`` and, while training, ``checkpoints/step-N/``. A
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
+from delft.outputs import write_atomic
 
 RUN_INFO = "delft_run.json"
 RECIPE = "recipe.yaml"
@@ -29,27 +29,8 @@ MODEL_CONFIG = "config.json"
 RUNNING, INTERRUPTED, COMPLETED = "running", "interrupted", "completed"
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file whole or not at all: a temporary sibling, then a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:  # disk full, interrupted: no stray temporary file beside the user's
-        tmp.unlink(missing_ok=True)
-        raise
 
 
-def follow_umask(root: Path) -> None:
-    """Give ``root`` and everything in it the modes the user's umask asks for: some writers (safetensors) make
-    their files 0600, which would hide a run from the rest of a shared group."""
-    mask = os.umask(0)
-    os.umask(mask)
-    root = Path(root)
-    for path in [root, *root.rglob("*")]:
-        if not path.is_symlink():
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 # ----------------------------------------------------------------------------- run info

@@ -11,15 +11,14 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import yaml
 from torch import Tensor
 
-from delft.numbers.tokens import IGNORE
 from delft.numbers.digits import DigitVocab, place_weight
+from delft.numbers.tokens import IGNORE
 
 # Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
 # ../shared beside the checkout. Sources and licenses: tests/data/README.md.
@@ -110,7 +109,7 @@ def read_only_dir(path: Path):
 
 
 def del_step(vocab, hidden, head, labels, fused: bool):
-    """One DEL micro-batch through delft.losses.Loss on the fused (Liger) or chunked CE path, backward taken:
+    """One DEL micro-batch through delft.losses.loss.Loss on the fused (Liger) or chunked CE path, backward taken:
     (its Sums, the gradients of ``hidden`` and of ``head.weight``); checks the path that ran."""
     from delft.losses.loss import Loss
 

@@ -4,10 +4,10 @@ import sys
 
 import pytest
 import yaml
+from tiny import save_tiny
 from typer.testing import CliRunner
 
 from delft.cli import app
-from tiny import save_tiny
 
 runner = CliRunner()
 

@@ -2,12 +2,21 @@ import json
 from decimal import Decimal
 
 import pytest
+from helpers import DATA
 
-from delft.data import (IGNORE, build_datasets, collate, collate_packed, format_number, load_examples, render_pair,
-                        synthetic_examples, tokenize_example)
+from delft.data import (
+    IGNORE,
+    build_datasets,
+    collate,
+    collate_packed,
+    format_number,
+    load_examples,
+    render_pair,
+    synthetic_examples,
+    tokenize_example,
+)
 from delft.errors import UserError
 from delft.recipe import DataConfig, SyntheticConfig
-from helpers import DATA
 
 
 def cfg(**kw) -> DataConfig:

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import read_only_dir, recipe_file
 from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
 from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_INFO
-from helpers import read_only_dir, recipe_file
 
 FAST = ["--set", "eval.max_new_tokens=2", "--set", "eval.batch_size=2", "--set", "eval.bootstrap=10"]
 PROMPT = "What is 5 + 7?"

@@ -2,8 +2,9 @@
 
 import json
 
-from delft.rundir import base_model, has_adapter, is_finished_run, read_info
 from helpers import DATA, adapter_weights
+
+from delft.rundir import base_model, has_adapter, is_finished_run, read_info
 
 
 def test_tiny_lora_run_is_a_finished_run_that_changes_the_model(tiny_lora_run, tiny_model_dir, tiny_tokenizer):

@@ -1,9 +1,8 @@
 from pathlib import Path
 
 import pytest
-
-from helpers import REPO
 import yaml
+from helpers import REPO
 
 from delft.errors import UserError
 from delft.recipe import load_recipe, parse_overrides

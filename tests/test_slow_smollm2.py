@@ -2,7 +2,6 @@
 
 
 import pytest
-
 from helpers import REPO
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

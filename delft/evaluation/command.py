@@ -1,7 +1,7 @@
 """``delft eval``: greedy answers from the base model and adapters, scored side by side.
 
-Generation (batched, left-padded, KV cache) lives in delft.generate; extraction, scoring and metrics in
-delft.answers.
+Generation (batched, left-padded, KV cache) lives in delft.evaluation.generation; extraction, scoring and metrics in
+delft.numbers.answers.
 """
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Optional, Sequence
+
 from rich.console import Console
+
 from delft.errors import UserError
-from delft.outputs import check_output_files, write_result
 from delft.evaluation.metrics import differences, flags
 from delft.evaluation.problems import Problem, describe_source, disjoint_from_training, load_problems, settings_block
 from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
 from delft.evaluation.scoring import ModelResult, evaluate_models
+from delft.outputs import check_output_files, write_result
 
 
 def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Optional[str], data: Optional[str],
@@ -91,8 +93,14 @@ def _finished_run(path: Path) -> Optional[Path]:
 def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
     from delft.models.sources import resolve_model
-    from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, check_adapter_matches, check_model_files,
-                              is_merged_model, read_info)
+    from delft.rundir import (
+        ADAPTER_CONFIG,
+        MODEL_CONFIG,
+        check_adapter_matches,
+        check_model_files,
+        is_merged_model,
+        read_info,
+    )
 
     base_config = None
     for run in runs:
@@ -130,9 +138,9 @@ def column_names(runs: Sequence[str], include_base: bool) -> list[str]:
 
 def check_teacher_tokenizer(base: str) -> None:
     """--teacher-forced needs single-token digits: say so before any model answers."""
-    from delft.numbers.digits import DigitVocab
     from delft.models.loading import load_tokenizer
     from delft.models.sources import resolve_model
+    from delft.numbers.digits import DigitVocab
 
     DigitVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
 
@@ -158,7 +166,7 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
              overrides: Sequence[str] = (), console: Optional[Console] = None,
              teacher_forced: bool = False) -> list[ModelResult]:
     """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG.
-    ``teacher_forced`` adds delft.teacher's metrics on the gold completions (table, JSON, a second PNG)."""
+    ``teacher_forced`` adds delft.evaluation.teacher_forced's metrics on the gold completions (table, JSON, a second PNG)."""
     console = console or Console()
     cfg, base, data_cfg, limit, runs = resolve_settings(recipe_path, runs, model, data, data_format, limit,
                                                         overrides, console)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
-from delft.numbers.answers import CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, cut_at_stop
+
 from delft.data import prompt_ids
+from delft.numbers.answers import CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, cut_at_stop
 
 
 @dataclass

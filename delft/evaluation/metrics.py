@@ -1,12 +1,15 @@
-"""TODO docstring"""
+"""Metrics over scored answers: percentile and paired bootstrap intervals, one model's summary (exact and
+tolerance match, errors, per-place digit accuracy), paired differences, and the smallest detectable
+difference of a paired comparison.
+"""
 
 from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
-from delft.numbers.digits import place_name
-from delft.numbers.answers import Scored
+
 from delft.evaluation.problems import BOOTSTRAP_SEED
-from delft.numbers.answers import RULES, signed_log
+from delft.numbers.answers import RULES, Scored, signed_log
+from delft.numbers.digits import place_name
 
 
 def bootstrap_ci(flags: Sequence[bool | float], resamples: int = 1000, seed: int = 0,
@@ -101,3 +104,21 @@ def differences(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[fl
     per-problem rates averaged over seeds."""
     return {"exact_match": paired_difference(a[0], b[0], resamples, BOOTSTRAP_SEED),
             "tolerance_match": paired_difference(a[1], b[1], resamples, BOOTSTRAP_SEED)}
+
+
+# The minimal detectable difference: a two-sided 5 % test with 80 % power sees a true difference of
+# (z_0.975 + z_0.8) standard errors; the standard error is read off the paired bootstrap's 95 % interval.
+Z_LEVEL, Z_POWER = 1.959964, 0.841621
+UNDETECTABLE = float("inf")  # mdd of a comparison whose answers never differ: it can detect nothing
+
+
+def mdd(ci: Optional[Sequence[float]]) -> Optional[float]:
+    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power;
+    None without an interval, and ``UNDETECTABLE`` when the interval has no width: no pair of answers differed
+    (every model scored 0, say), so the set carries no information about a difference, not perfect power."""
+    if not ci:
+        return None
+    width = ci[1] - ci[0]
+    if width <= 0:
+        return UNDETECTABLE
+    return (Z_LEVEL + Z_POWER) * width / (2 * Z_LEVEL)

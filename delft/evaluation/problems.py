@@ -1,15 +1,18 @@
-"""TODO docstring"""
+"""The eval set: problems (prompt, gold number) from a recipe's data section, kept disjoint from the training
+problems, and the settings block every report records.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
+
 from rich.console import Console
+
+from delft.errors import UserError
 from delft.numbers.answers import parse_number
 from delft.recipe import EVAL_SEED_OFFSET
-from delft.errors import UserError
-
 
 BOOTSTRAP_SEED = 0
 

@@ -1,28 +1,22 @@
-"""TODO docstring"""
+"""How `delft eval` shows and saves its results: the metrics table (rich), per-problem records, the JSON
+report and the bar plot.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional, Sequence
+
 from rich.console import Console
 from rich.table import Table
+
 from delft import __version__
-from delft.numbers.answers import Scored, canonical
 from delft.evaluation.metrics import place_order
-from delft.numbers.digits import place_name
-from delft.outputs import write_figure
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
 from delft.evaluation.scoring import ModelResult
-
-
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None else f"{100 * x:.1f} %"
-
-
-def _num(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
+from delft.numbers.answers import Scored, canonical
+from delft.numbers.digits import place_name
+from delft.outputs import num, pct, write_figure
 
 
 def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
@@ -32,23 +26,23 @@ def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional
 
     def ci_cell(x, key):
         ci = x.get(key)
-        return _pct(x[key.removesuffix("_ci")]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+        return pct(x[key.removesuffix("_ci")]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
 
     rows.append(("exact match (95 % CI)", [x["exact_match"] for x in m], [ci_cell(x, "exact_match_ci") for x in m],
                  True))
     rows.append(("tolerance match (95 % CI)", [x["tolerance_match"] for x in m],
                  [ci_cell(x, "tolerance_match_ci") for x in m], True))
-    rows.append(("no number", [x["no_number_rate"] for x in m], [_pct(x["no_number_rate"]) for x in m], False))
-    rows.append(("MAE", [x["mae"] for x in m], [_num(x["mae"]) for x in m], False))
-    rows.append(("log-MAE", [x["log_mae"] for x in m], [_num(x["log_mae"]) for x in m], False))
-    rows.append(("digit accuracy (all places)", [x["digit_accuracy"] for x in m], [_pct(x["digit_accuracy"]) for x in m],
+    rows.append(("no number", [x["no_number_rate"] for x in m], [pct(x["no_number_rate"]) for x in m], False))
+    rows.append(("MAE", [x["mae"] for x in m], [num(x["mae"]) for x in m], False))
+    rows.append(("log-MAE", [x["log_mae"] for x in m], [num(x["log_mae"]) for x in m], False))
+    rows.append(("digit accuracy (all places)", [x["digit_accuracy"] for x in m], [pct(x["digit_accuracy"]) for x in m],
                  True))
     places = place_order(p["place"] for x in m for p in x["per_place"].values())
     for place in places:
         name = place_name(place)
         vals = [x["per_place"].get(name, {}).get("accuracy") for x in m]
         n = max(x["per_place"].get(name, {}).get("n", 0) for x in m)
-        rows.append((f"  {name} (n={n})", vals, [_pct(v) for v in vals], True))
+        rows.append((f"  {name} (n={n})", vals, [pct(v) for v in vals], True))
     return rows
 
 

@@ -1,13 +1,17 @@
-"""TODO docstring"""
+"""Generating and scoring: one model (base, or base + adapter) answers every problem greedily, each answer is
+scored; teacher-forced digit metrics on the gold completions when asked.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
 from rich.console import Console
-from delft.numbers.answers import Scored, extract_answer, score
+
 from delft.evaluation.metrics import summarize
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
+from delft.numbers.answers import Scored, extract_answer, score
 
 
 @dataclass
@@ -21,7 +25,7 @@ class ModelResult:
     scored: list[Scored] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     vs_base: Optional[dict] = None
-    teacher: Any = None  # delft.teacher.TeacherForced with --teacher-forced
+    teacher: Any = None  # delft.evaluation.teacher_forced.TeacherForced with --teacher-forced
     teacher_metrics: Optional[dict] = None
     teacher_vs_base: Optional[dict] = None
 
@@ -29,11 +33,10 @@ class ModelResult:
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
                    recipe_cfg, progress=None, task=None, teacher_forced: bool = False) -> ModelResult:
     """Load one model, answer every problem, score the answers (and with ``teacher_forced`` score the gold
-    completions, delft.teacher); the model is freed afterwards."""
+    completions, delft.evaluation.teacher_forced); the model is freed afterwards."""
     from delft.data import render_prompt, use_chat_template
-    from delft.models.loading import free_memory
     from delft.evaluation.generation import greedy, stop_strings
-    from delft.models.loading import load_for_inference
+    from delft.models.loading import free_memory, load_for_inference
 
     model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
     try:
@@ -54,8 +57,8 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
 
 
 def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):
-    from delft.numbers.digits import DigitVocab
     from delft.evaluation.teacher_forced import teacher_forced
+    from delft.numbers.digits import DigitVocab
 
     vocab = DigitVocab.from_tokenizer(tokenizer, purpose="--teacher-forced")
     return teacher_forced(model, tokenizer, [p.example for p in problems], data_cfg, vocab,
@@ -64,8 +67,7 @@ def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, rec
 
 def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg, recipe_cfg):
     """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it."""
-    from delft.models.loading import free_memory
-    from delft.models.loading import load_for_inference
+    from delft.models.loading import free_memory, load_for_inference
 
     model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
     try:

@@ -1,7 +1,7 @@
 """Teacher-forced metrics (``delft eval --teacher-forced``): how a model scores the gold completion itself.
 
 The model reads prompt + gold completion once; at every completion token it is asked for that token. At the
-digit positions (places by delft.digits' run rules, as the losses find them) we report, per place, whether the
+digit positions (places by delft.numbers.digits' run rules, as the losses find them) we report, per place, whether the
 argmax among the ten digits is the gold digit, whether the full-vocabulary argmax is the gold token, and the
 digit CE (cross-entropy over the ten digit logits, the distribution the digit losses shape). At every other
 completion token (words, spaces, '.', the end-of-turn token) we report the full-vocabulary CE and its
@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
-from delft.numbers.digits import place_name
 
+from delft.numbers.digits import place_name
+from delft.outputs import num, pct
 
 CHUNK_POSITIONS = 256  # completion positions whose full-vocabulary logits exist at once
 
@@ -71,9 +72,9 @@ def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
     """Positions of one right-padded batch: hidden states once, then only the rows each metric needs."""
     import torch
 
-    from delft.numbers.tokens import IGNORE
     from delft.losses.heads import digit_logits
     from delft.models.loading import decoder_and_head
+    from delft.numbers.tokens import IGNORE
 
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -217,15 +218,12 @@ def mean_summaries(summaries: Sequence[dict]) -> dict:
 
 def teacher_rows(summaries: Sequence[dict]) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
     """(label, values, cells, higher_is_better) per row of the teacher-forced table."""
-    def pct(x):
-        return "-" if x is None else f"{100 * x:.1f} %"
-
-    def num(x):
-        return "-" if x is None else f"{x:.4f}"
+    def fixed(x):
+        return num(x, ".4f")
 
     rows = []
     for m in DIGIT_METRICS:
-        fmt, higher = (num, False) if m == "digit_ce" else (pct, True)
+        fmt, higher = (fixed, False) if m == "digit_ce" else (pct, True)
         vals = [s["digits"][m] for s in summaries]
         rows.append((f"{LABELS[m]} (n={summaries[0]['digits']['n']})", vals, [fmt(v) for v in vals], higher))
         for name, place in summaries[0]["per_place"].items():
@@ -234,7 +232,7 @@ def teacher_rows(summaries: Sequence[dict]) -> list[tuple[str, list[Optional[flo
     n_text = summaries[0]["text"]["n"]
     for key, m in (("ce", "text_ce"), ("perplexity", "text_perplexity")):
         vals = [s["text"][key] for s in summaries]
-        rows.append((f"{LABELS[m]} (n={n_text})", vals, [num(v) for v in vals], False))
+        rows.append((f"{LABELS[m]} (n={n_text})", vals, [fixed(v) for v in vals], False))
     return rows
 
 

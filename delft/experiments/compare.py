@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
 from rich.console import Console
+
 from delft import __version__
 from delft.errors import UserError
-from delft.outputs import check_output_dir, write_result
+from delft.outputs import check_output_dir, num, pct, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
 from delft.rundir import METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info
-
 
 REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
 
@@ -72,7 +73,7 @@ class Column:
     recipe_name: Optional[str]
     seed: Optional[int]
     adapter: Optional[str]
-    result: Any = None  # delft.evaluate.ModelResult
+    result: Any = None  # delft.evaluation.scoring.ModelResult
     vs_base: Optional[dict] = None
     vs_reference: Optional[dict] = None
 
@@ -263,8 +264,8 @@ def _pair_up(columns: list[Column], ref_name: str, resamples: int) -> None:
 def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: Sequence[int], ref_name: str,
                 resamples: int) -> list[dict]:
     """Per recipe, its metrics and differences averaged over the training seeds ([] for one seed)."""
-    from delft.evaluation.problems import BOOTSTRAP_SEED
     from delft.evaluation.metrics import differences, flags
+    from delft.evaluation.problems import BOOTSTRAP_SEED
 
     if len(seeds) < 2:
         return []
@@ -285,8 +286,8 @@ def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: S
 def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict], seeds: Sequence[int],
                  ref_name: str, console: Console, tables: Console) -> None:
     """One table per seed (base and each recipe), then the seed means, to the terminal and tables.txt."""
-    from delft.evaluation.scoring import ModelResult
     from delft.evaluation.report import render_table
+    from delft.evaluation.scoring import ModelResult
 
     def show(title: str, results: list, notes: list[str]) -> None:
         for target in (console, tables):
@@ -324,9 +325,9 @@ def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]
 def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns: list[Column], means: list[dict],
              contenders: Sequence[Contender], ref_name: str, seconds: float) -> dict:
     """The JSON section of one eval set: settings, problems, every model's predictions, the seed means."""
-    from delft.numbers.answers import canonical
-    from delft.evaluation.report import prediction_record
     from delft.evaluation.problems import settings_block
+    from delft.evaluation.report import prediction_record
+    from delft.numbers.answers import canonical
 
     base = columns[0].result
     losses = {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders}
@@ -397,19 +398,13 @@ def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
                         "e.g. --transfer data/svamp.json --transfer-format svamp.") from None
 
 
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
 
 
 def _ci(m: dict, key: str) -> str:
     ci = m.get(f"{key}_ci")
-    return _pct(m.get(key)) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+    return pct(m.get(key), unit='') + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
 
 
-def _num(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4g}" if abs(x) < 1e6 else f"{x:.3e}"
 
 
 def _diff(d: Optional[dict]) -> str:
@@ -452,8 +447,8 @@ def markdown_set(key: str, sec: dict, ref: str) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for label, m, vs in rows:
         lines.append(f"| {label} | {_ci(m, 'exact_match')} | {_ci(m, 'tolerance_match')} | {_diff(vs)} | "
-                     f"{_pct(m['digit_accuracy'])} | {_num(m['mae'])} | {_num(m['log_mae'])} | "
-                     f"{_pct(m['no_number_rate'])} |")
+                     f"{pct(m['digit_accuracy'], unit='')} | {num(m['mae'])} | {num(m['log_mae'])} | "
+                     f"{pct(m['no_number_rate'], unit='')} |")
     places = place_order(p["place"] for _, m, _ in rows for p in m["per_place"].values())
     names = [place_name(p) for p in places]
     counts = [max(m["per_place"].get(n, {}).get("n", 0) for _, m, _ in rows) for n in names]
@@ -461,20 +456,20 @@ def markdown_set(key: str, sec: dict, ref: str) -> list[str]:
               "| model | " + " | ".join(f"{n} (n={c})" for n, c in zip(names, counts)) + " |",
               "|---|" + "---|" * len(names)]
     for label, m, _ in rows:
-        lines.append(f"| {label} | " + " | ".join(_pct(m["per_place"].get(n, {}).get("accuracy"))
+        lines.append(f"| {label} | " + " | ".join(pct(m["per_place"].get(n, {}).get("accuracy"), unit='')
                                                  for n in names) + " |")
     lines.append("")
     return lines
 
 
-def _plain(obj):
+def json_ready(obj):
     """JSON-safe copy (NaN/inf -> None)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: json_ready(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [json_ready(v) for v in obj]
     return obj
 
 
@@ -574,7 +569,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
         sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
 
     out = Path(out)
-    report = _plain({
+    report = json_ready({
         "delft_version": __version__,
         "command": command,
         "settings": _report_settings(cfg0, contenders, seeds, base, limit, transfer_cfg, transfer_max_new_tokens),

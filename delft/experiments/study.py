@@ -19,22 +19,17 @@ import shlex
 import time
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
+
 from pydantic import Field, ValidationError
 from rich.console import Console
+
 from delft import __version__
 from delft.errors import UserError
-from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, _read_yaml, describe_error
-
+from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, describe_error, read_yaml
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 
 
-# The minimal detectable difference: a two-sided 5 % test with 80 % power sees a true difference of
-# (z_0.975 + z_0.8) standard errors; the standard error is read off the paired bootstrap's 95 % interval.
-Z_LEVEL, Z_POWER = 1.959964, 0.841621
-
-
-UNDETECTABLE = float("inf")  # mdd of a comparison whose answers never differ: it can detect nothing
 
 
 class EvalSet(Section):
@@ -59,7 +54,7 @@ class StudyConfig(Section):
 
 
 def load_study(path: Path) -> StudyConfig:
-    data = _read_yaml(Path(path))
+    data = read_yaml(Path(path))
     try:
         study = StudyConfig.model_validate(data)
     except ValidationError as e:
@@ -130,18 +125,6 @@ def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_d
     return contenders
 
 
-def mdd(ci: Optional[Sequence[float]]) -> Optional[float]:
-    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power;
-    None without an interval, and ``UNDETECTABLE`` when the interval has no width: no pair of answers differed
-    (every model scored 0, say), so the set carries no information about a difference, not perfect power."""
-    if not ci:
-        return None
-    width = ci[1] - ci[0]
-    if width <= 0:
-        return UNDETECTABLE
-    return (Z_LEVEL + Z_POWER) * width / (2 * Z_LEVEL)
-
-
 def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, base: str, contenders, seeds,
                 runs, console: Console, tables: Console) -> tuple[dict, list]:
     from delft.experiments.compare import evaluate_set
@@ -156,10 +139,10 @@ def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, bas
 def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, contenders, seeds, runs,
                  console: Console) -> tuple[dict, list]:
     """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
-    from delft.experiments.compare import reference_name
     from delft.evaluation.problems import BOOTSTRAP_SEED, load_problems, settings_block
     from delft.evaluation.scoring import score_gold
     from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
+    from delft.experiments.compare import reference_name
 
     problems, skipped = load_problems(data_cfg, console)
     console.rule(f"[bold]{key}[/]: {len(problems)} gold completions, teacher-forced")
@@ -235,10 +218,10 @@ def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> 
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
               console: Optional[Console] = None, train_only: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``."""
-    from delft.experiments.compare import _plain, train_all
     from delft.evaluation.command import check_runs
-    from delft.outputs import check_output_dir, write_result
+    from delft.experiments.compare import json_ready, train_all
     from delft.experiments.summary import study_summary
+    from delft.outputs import check_output_dir, write_result
 
     console = console or Console()
     path = Path(path)
@@ -265,7 +248,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
         else:
             sections[name] = _greedy_set(name, sets[name], spec, cfg0, base, contenders, study.seeds, runs,
                                          console, tables)
-    report = _plain({
+    report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path),
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
                      "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},

@@ -5,8 +5,8 @@ difference each comparison can detect), then every set's full tables.
 from __future__ import annotations
 
 from typing import Optional
-from delft.experiments.compare import _pct
 
+from delft.outputs import pct
 
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode.
 GREEDY_HEADLINE = (("exact_match", "exact match, points", 100), ("tolerance_match", "tolerance match, points", 100))
@@ -26,7 +26,7 @@ def _signed(d: Optional[dict], scale: float) -> str:
 
 
 def _mdd(d: Optional[dict], scale: float) -> str:
-    from delft.experiments.study import mdd
+    from delft.evaluation.metrics import mdd
 
     value = mdd(d.get("ci")) if d else None
     if value is None:
@@ -85,14 +85,14 @@ def teacher_tables(key: str, sec: dict) -> list[str]:
              f"digit CE | non-digit CE (n={first['text']['n']}) | non-digit perplexity |",
              "|---|---|---|---|---|---|"]
     for label, m in ordered:
-        lines.append(f"| {label} | {_pct(m['digits']['digit_accuracy'])} | {_pct(m['digits']['full_accuracy'])} | "
+        lines.append(f"| {label} | {pct(m['digits']['digit_accuracy'], unit='')} | {pct(m['digits']['full_accuracy'], unit='')} | "
                      f"{_nats(m['digits']['digit_ce'])} | {_nats(m['text']['ce'])} | {_nats(m['text']['perplexity'])} |")
     places = list(first["per_place"])
     lines += ["", "Teacher-forced digit argmax accuracy per place, % (n = digit positions at that place):", "",
               "| model | " + " | ".join(f"{p} (n={first['per_place'][p]['n']})" for p in places) + " |",
               "|---|" + "---|" * len(places)]
     for label, m in ordered:
-        lines.append(f"| {label} | " + " | ".join(_pct(m["per_place"].get(p, {}).get("digit_accuracy"))
+        lines.append(f"| {label} | " + " | ".join(pct(m["per_place"].get(p, {}).get("digit_accuracy"), unit='')
                                                  for p in places) + " |")
     lines.append("")
     return lines

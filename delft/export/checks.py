@@ -1,17 +1,18 @@
-"""TODO docstring"""
+"""Checks before an export starts: the run directory, --out (never inside the run or over a file the user made),
+another export writing the same --out, and free disk space for the merged model.
+"""
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
-from delft.errors import UserError
-from delft.outputs import check_writable_dir
-from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RUN_INFO, check_model_files,
-                          has_adapter, read_info)
-import glob
-import os
 
+from delft.errors import UserError
+from delft.outputs import check_writable_dir, human_size
+from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RUN_INFO, check_model_files, has_adapter, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -69,7 +70,7 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
     _check_no_other_export(out)
 
 
-def _local_param_count(path: str) -> Optional[int]:
+def local_param_count(path: str) -> Optional[int]:
     """Parameters in a local model directory's safetensors files (headers only); None when not knowable."""
     from safetensors import safe_open
 
@@ -98,31 +99,25 @@ def check_disk(out: Path, n_params: int, dtype: str) -> int:
         where = where.parent
     free = shutil.disk_usage(where).free
     if free < need:
-        raise UserError(f"not enough free disk space in {where}: the merged model needs about {_size(need)} "
+        raise UserError(f"not enough free disk space in {where}: the merged model needs about {human_size(need)} "
                         f"({n_params:,} parameters x {DTYPE_BYTES[dtype]} bytes in {dtype} + 10 %), "
-                        f"{_size(free)} is free", "--out",
+                        f"{human_size(free)} is free", "--out",
                         "Free some space, choose --out on another disk"
                         + (", or export --dtype bfloat16 (half the size)." if dtype == "float32" else "."))
     return need
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
-def _tmp_prefix(out: Path) -> str:
+def tmp_prefix(out: Path) -> str:
     """Temporary export directories beside ``out``: this prefix, then the pid of the export writing it."""
     return f".{out.name}.tmp-"
 
 
 def _check_no_other_export(out: Path) -> None:
     """Refuse, before the merge, an --out another running export is writing (its temporary directory)."""
-    for tmp in out.parent.glob(f"{glob.escape(_tmp_prefix(out))}*-*") if out.parent.is_dir() else []:
-        pid = tmp.name[len(_tmp_prefix(out)):].split("-")[0]
+    for tmp in out.parent.glob(f"{glob.escape(tmp_prefix(out))}*-*") if out.parent.is_dir() else []:
+        pid = tmp.name[len(tmp_prefix(out)):].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             raise UserError(f"another delft export (process {pid}) is writing {out} right now", "--out",
                             "Wait for it to finish, or export to another --out.")

@@ -29,14 +29,16 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
 from rich.console import Console
 from rich.table import Table
-from delft.errors import UserError, VerificationError
-from delft.rundir import write_atomic
 
+from delft.errors import UserError, VerificationError
+from delft.outputs import staged, temporary_sibling, write_atomic
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
 
@@ -213,16 +215,8 @@ def ensure_converter() -> Path:
         return target
     with tempfile.TemporaryDirectory(prefix="delft-llama-cpp-") as tmp:
         sdist = Path(os.environ.get(SDIST_ENV) or _download_sdist(Path(tmp)))
-        staging = target.parent / f".tmp-{target.name}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        _extract_converter(sdist, staging)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(staging, target)
-        except OSError:  # another delft process put it there first
-            shutil.rmtree(staging, ignore_errors=True)
-            if not _converter_complete(target):
-                raise
+        with staged(target, shared=_converter_complete) as staging:  # another delft may extract it too
+            _extract_converter(sdist, staging)
     return target
 
 
@@ -292,53 +286,38 @@ def _run_converter(converter: Path, script: str, args: list[str], what: str) -> 
                     "Export without --gguf; the merged safetensors model still works.")
 
 
-def _place(tmp: Path, dest: Path) -> None:
-    """Rename a finished temporary file into place; never over an existing file."""
-    if dest.exists():
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{dest} already exists", "--out", "Choose another --out (or remove the file).")
-    os.replace(tmp, dest)
-
-
-def _tmp_name(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+@contextmanager
+def _new_file(dest: Path):
+    """A temporary sibling to write ``dest`` into, renamed onto it when complete; never over an existing file."""
+    with staged(dest) as tmp:
+        yield tmp
+        if dest.exists():
+            raise UserError(f"{dest} already exists", "--out", "Choose another --out (or remove the file).")
 
 
 def convert(converter: Path, model_dir: Path, gguf_type: str, dest: Path) -> None:
-    tmp = _tmp_name(dest)
-    try:
+    with _new_file(dest) as tmp:
         _run_converter(converter, CONVERTER_FILES[0],
                        [str(model_dir), "--outtype", gguf_type, "--outfile", str(tmp)], str(model_dir))
-        _place(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def convert_lora(converter: Path, run_dir: Path, base_dir: Path, dest: Path) -> None:
-    tmp = _tmp_name(dest)
-    try:
+    with _new_file(dest) as tmp:
         args = ["--base", str(base_dir), "--outtype", LORA_TYPE, "--outfile", str(tmp), str(run_dir)]
         _run_converter(converter, CONVERTER_FILES[1], args, f"the adapter in {run_dir}")
-        _place(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def quantize(src: Path, dest: Path, gguf_type: str) -> None:
     """llama.cpp's quantiser, in a subprocess: it logs hundreds of lines to the C stderr."""
-    tmp = _tmp_name(dest)
-    try:
+    with _new_file(dest) as tmp:
         here = str(Path(__file__).resolve().parents[1])  # this delft, whatever else is installed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "delft.gguf", "quantize", str(src), str(tmp), gguf_type],
+        proc = subprocess.run([sys.executable, "-m", "delft.export.gguf", "quantize", str(src), str(tmp), gguf_type],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not tmp.is_file():
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
             raise UserError(f"llama.cpp's quantiser failed to make {gguf_type} from {src.name}: {tail}", "--gguf",
                             "Use f16 or q8_0, which the converter writes itself.")
-        _place(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _quantize_in_process(src: str, dest: str, gguf_type: str) -> int:
@@ -363,7 +342,7 @@ def write_gguf_files(plan: GgufPlan, out: Path, run_dir: Path, base: str, merged
             files.append(GgufFile(dest.name, t, "merged", made_by="convert_hf_to_gguf.py"))
         else:
             source = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[merged_dtype]
-            src = made.get(source) or _tmp_name(out / f"{name}-{source}.gguf.src")
+            src = made.get(source) or temporary_sibling(out / f"{name}-{source}.gguf.src")
             try:
                 if source not in made:
                     convert(plan.converter, out, source, src)
@@ -563,7 +542,7 @@ def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, cons
 
 
 def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None) -> list[GgufFile]:
-    """After a verified merged export (``result``: delft.export.ExportResult): GGUF files, Modelfile, check,
+    """After a verified merged export (``result``: delft.export.merge.ExportResult): GGUF files, Modelfile, check,
     and their figures added to delft_export.json and the model card. VerificationError (exit 1) when a check
     fails; the files stay, marked with GGUF_CHECK_FAILED.txt."""
     from delft.models.loading import load_tokenizer
@@ -660,7 +639,7 @@ def gguf_table(files: list[GgufFile]) -> Table:
     return table
 
 
-if __name__ == "__main__":  # python -m delft.gguf quantize SRC DEST TYPE (run by quantize())
+if __name__ == "__main__":  # python -m delft.export.gguf quantize SRC DEST TYPE (run by quantize())
     if len(sys.argv) == 5 and sys.argv[1] == "quantize":
         sys.exit(_quantize_in_process(*sys.argv[2:]))
-    sys.exit("usage: python -m delft.gguf quantize SRC DEST TYPE")
+    sys.exit("usage: python -m delft.export.gguf quantize SRC DEST TYPE")

@@ -26,19 +26,28 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
 from rich.console import Console
+
 from delft.errors import UserError, VerificationError
+from delft.export.checks import check_disk, check_out, check_run_dir, local_param_count, normalize_dtype, tmp_prefix
+from delft.export.nf4 import apply_nf4_roundtrip
+from delft.export.report import (
+    CHECK_PROMPTS,
+    EXPORT_INFO,
+    MARKER,
+    ExportResult,
+    eval_headline,
+    export_info,
+    failure_text,
+    load_recipe_quietly,
+    model_card,
+    summary_table,
+    why_failed,
+)
 from delft.models.sources import GGUF_SOURCE
 from delft.outputs import follow_umask
-from delft.rundir import (COMPLETED, RECIPE, RUN_INFO)
-from delft.export.checks import _local_param_count, check_disk, check_out, check_run_dir, normalize_dtype
-from delft.export.nf4 import apply_nf4_roundtrip
-from delft.export.report import MARKER, _export_info, _failure_text, _load_recipe_quietly, _why, eval_headline, model_card, summary_table
-from delft.export.report import CHECK_PROMPTS
-from delft.export.report import EXPORT_INFO
-from delft.export.report import ExportResult
-from delft.export.checks import _tmp_prefix
-
+from delft.rundir import COMPLETED, RECIPE, RUN_INFO
 
 # Default tolerance on max |dlogit| = REL_TOLERANCE[dtype] * max(1, max |logit| of base + adapter).
 #  fp32: only summation order differs between W x + B(A x) and (W + BA) x: ~1e-6 relative; 1e-4 leaves room
@@ -118,7 +127,7 @@ class _Base:
     """The base model an export merges into, and the run's settings it is loaded with."""
 
     name: str
-    ref: object  # delft.models.ModelRef
+    ref: object  # delft.models.sources.ModelRef
     config: object  # transformers config
     recipe: object  # the run's Recipe, or None when its recipe.yaml is unreadable
     revision: Optional[str]
@@ -150,7 +159,7 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str) -> tuple[di
         raise UserError(f"{run_dir} does not say which base model its adapter belongs to", "delft export",
                         f"Check the run's {RUN_INFO} (base_model).")
     check_out(out, force, {"run directory": run_dir})
-    recipe = _load_recipe_quietly(run_dir)
+    recipe = load_recipe_quietly(run_dir)
     revision = recipe.model.revision if recipe else None
     remote = recipe.model.trust_remote_code if recipe else False
     ref = resolve_model(name, revision)
@@ -166,7 +175,7 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str) -> tuple[di
         raise UserError(f"base model {name!r} is a pre-quantised checkpoint; merging into 4-bit weights degrades "
                         "the model", "delft export", "Train and export against the 16-bit model it was made from.")
     check_adapter_matches(run_dir, name, config, "delft export")
-    estimate = _local_param_count(ref.path) if ref.is_local else None
+    estimate = local_param_count(ref.path) if ref.is_local else None
     if estimate:
         check_disk(out, estimate, dtype)
     return info, _Base(name, ref, config, recipe, revision, remote, gguf), estimate
@@ -254,6 +263,29 @@ def _verify_reload(tmp: Path, encoded: list, reference: list, result: ExportResu
                      and not result.tensors_mismatched and result.tensors_checked > 0)
 
 
+def _set_tolerances(result: ExportResult, reference: list, tolerance: Optional[float]) -> None:
+    """The reload and merge tolerances of ``result`` (``tolerance`` or the dtype's relative default, scaled by
+    the largest logit), with a note when the adapter moves logits less than the reload check can see."""
+    largest = max(float(x.abs().max()) for x in reference)
+    scale = max(1.0, largest)
+    result.max_abs_logit = largest
+    result.tolerance = tolerance if tolerance is not None else REL_TOLERANCE[result.dtype] * scale
+    result.merge_tolerance = tolerance if tolerance is not None else MERGE_REL_TOLERANCE * scale
+    if result.adapter_effect <= result.tolerance:
+        result.notes.append(f"The adapter changes logits by at most {result.adapter_effect:.3g}, not more than the "
+                            f"{result.dtype} tolerance {result.tolerance:.3g}: the reload check alone could not tell "
+                            "it from the base; the fp32 merge check and the bit-exact file check still cover the merge.")
+
+
+def _write_reports(tmp: Path, result: ExportResult, info: dict, base: "_Base", run_dir: Path) -> None:
+    """The model card, the export info and (when the check failed) the marker, into the export being written."""
+    (tmp / "README.md").write_text(model_card(result, info, base.recipe, eval_headline(run_dir), run_dir))
+    (tmp / EXPORT_INFO).write_text(json.dumps(export_info(result, info), indent=2))
+    if not result.passed:
+        (tmp / MARKER).write_text(failure_text(result))
+    follow_umask(tmp)
+
+
 def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
                tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
                console: Optional[Console] = None, max_shard_size: str = "2GB") -> ExportResult:
@@ -262,8 +294,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
     in which case ``out`` is still written, marked with MERGE_CHECK_FAILED.txt.
     """
-    from delft.models.loading import free_memory
-    from delft.models.loading import load_tokenizer, resolve_device
+    from delft.models.loading import free_memory, load_tokenizer, resolve_device
     from delft.rundir import tokenizer_source
 
     console = console or Console()
@@ -281,30 +312,19 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
         run_dir, base, device, match_training, encoded, console)
     if not estimate:
         check_disk(out, n_params, dtype)
-    scale = max(1.0, max(float(x.abs().max()) for x in reference))
-    tol = tolerance if tolerance is not None else REL_TOLERANCE[dtype] * scale
     result = ExportResult(out=str(out), run_dir=str(run_dir), base_model=base.name, merge=short, merge_detail=detail,
                           dtype=dtype, n_params=n_params, merge_abs_diff=merge_diff, adapter_effect=adapter_effect,
-                          max_abs_logit=max(float(x.abs().max()) for x in reference), tolerance=tol,
-                          merge_tolerance=tolerance if tolerance is not None else MERGE_REL_TOLERANCE * scale,
                           roundtripped_layers=roundtripped, notes=notes)
-    if adapter_effect <= tol:
-        result.notes.append(f"The adapter changes logits by at most {adapter_effect:.3g}, not more than the "
-                            f"{dtype} tolerance {tol:.3g}: the reload check alone could not tell it from the base; "
-                            "the fp32 merge check and the bit-exact file check still cover the merge.")
+    _set_tolerances(result, reference, tolerance)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(out)}{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix(out)}{os.getpid()}-", dir=out.parent))
     try:
         _save(tmp, merged, tokenizer, result, max_shard_size)
         del merged  # its weights go before the reload
         free_memory()
         _verify_reload(tmp, encoded, reference, result, base, device)
-        (tmp / "README.md").write_text(model_card(result, info, base.recipe, eval_headline(run_dir), run_dir))
-        (tmp / EXPORT_INFO).write_text(json.dumps(_export_info(result, info), indent=2))
-        if not result.passed:
-            (tmp / MARKER).write_text(_failure_text(result))
-        follow_umask(tmp)
+        _write_reports(tmp, result, info, base, run_dir)
         _swap_into_place(tmp, out, force)
     except OSError as e:  # disk full or the directory taken away mid-write: nothing is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -316,7 +336,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
 
     console.print(summary_table(result))
     if not result.passed:
-        raise VerificationError(f"the merged model in {out} does not reproduce base + adapter: {_why(result)}. "
+        raise VerificationError(f"the merged model in {out} does not reproduce base + adapter: {why_failed(result)}. "
                                 f"The output is kept and marked with {out / MARKER}; do not ship it. Rerun with "
                                 "--dtype float32 to tell rounding from a wrong merge, or --tolerance to accept it.")
     console.print(f"[bold green]done[/] merged model in {out} (loads with AutoModelForCausalLM.from_pretrained)")

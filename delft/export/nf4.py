@@ -1,7 +1,8 @@
-"""TODO docstring"""
+"""The nf4 round trip: a QLoRA adapter was trained against nf4-dequantised base weights, so
+`export --match-training` rounds the base weights through nf4 before merging (and counts the layers it did).
+"""
 
 from __future__ import annotations
-
 
 
 def dequantize_nf4(packed, state):

@@ -1,21 +1,23 @@
-"""TODO docstring"""
+"""What an export says about itself: the result record, the model card (README.md in the export), the
+export info JSON, the failure marker text and the summary table.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from rich.table import Table
-from delft.errors import UserError
-from delft.rundir import (RECIPE)
-from delft.export.checks import _size
 from typing import Optional
-from dataclasses import dataclass
-from dataclasses import field
+
+from rich.table import Table
+
+from delft.errors import UserError
+from delft.export.checks import human_size
+from delft.rundir import RECIPE
 
 
-def _load_recipe_quietly(run_dir: Path):
+def load_recipe_quietly(run_dir: Path):
     from delft.recipe import load_recipe
 
     path = run_dir / RECIPE
@@ -138,7 +140,7 @@ def model_card(r: ExportResult, info: dict, recipe, evals: list, run_dir: Path) 
     return "\n".join(lines)
 
 
-def _why(r: ExportResult) -> str:
+def why_failed(r: ExportResult) -> str:
     parts = []
     if r.max_abs_diff is not None and r.max_abs_diff > r.tolerance:
         parts.append(f"max |dlogit| {r.max_abs_diff:.3g} > tolerance {r.tolerance:.3g}")
@@ -152,14 +154,14 @@ def _why(r: ExportResult) -> str:
     return "; ".join(parts) or "unknown"
 
 
-def _failure_text(r: ExportResult) -> str:
-    return (f"The merge check of this export FAILED: {_why(r)}.\n"
+def failure_text(r: ExportResult) -> str:
+    return (f"The merge check of this export FAILED: {why_failed(r)}.\n"
             f"Numbers: max |dlogit| {r.max_abs_diff}, tolerance {r.tolerance}, fp32 merge {r.merge_abs_diff}, "
             f"adapter effect {r.adapter_effect}, max |logit| {r.max_abs_logit}.\n"
             "Do not use this model as a faithful merge of the adapter. See delft_export.json.\n")
 
 
-def _export_info(r: ExportResult, info: dict) -> dict:
+def export_info(r: ExportResult, info: dict) -> dict:
     from delft import __version__
 
     return {"delft_version": __version__, "run_info": {k: info.get(k) for k in (
@@ -178,7 +180,7 @@ def summary_table(r: ExportResult) -> Table:
         ("merge", r.merge + (f" ({r.roundtripped_layers} layers)" if r.roundtripped_layers else "")),
         ("dtype", r.dtype),
         ("shards", str(r.shards)),
-        ("size", f"{_size(r.size_bytes)} ({r.n_params:,} parameters)"),
+        ("size", f"{human_size(r.size_bytes)} ({r.n_params:,} parameters)"),
         ("max |Δlogit|", f"{r.max_abs_diff:.3g} (tolerance {r.tolerance:.3g}; reloaded {r.dtype} vs base + adapter)"
          if r.max_abs_diff is not None else "-"),
         ("fp32 merge |Δlogit|", f"{r.merge_abs_diff:.3g} (tolerance {r.merge_tolerance:.3g})"),

@@ -1,7 +1,7 @@
 """``delft inspect``: the model's distribution over the ten digits at every digit of one answer.
 
 Rows are digit *characters*: on tokenizers with multi-digit number tokens (Llama-3's "123") each character
-gets a row, scored as the losses score it (delft.numtokens.char_logits: the number tokens that agree with the
+gets a row, scored as the losses score it (delft.numbers.tokens.char_logits: the number tokens that agree with the
 answer's token before that character), and the table names the token it belongs to.
 
 Three separate pieces, so each can be tested on its own:
@@ -9,7 +9,7 @@ Three separate pieces, so each can be tested on its own:
 * :func:`compute_records` -- pure computation: (model, tokenizer, prompt text, answer token ids) -> one
   :class:`PositionRecord` per answer token, from ONE teacher-forced forward pass that keeps only the answer
   positions' logits (``logits_to_keep``; or the decoder's hidden rows times the output layer for models
-  without it). Places come from :mod:`delft.digits` (the same rules as the losses).
+  without it). Places come from :mod:`delft.numbers.digits` (the same rules as the losses).
 * :func:`render_tables` -- rich Tables (one per number in the answer; with several models, one sub-row per model).
 * :func:`write_plot` -- a heatmap PNG (digit positions x digits, one panel per model).
 
@@ -23,14 +23,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
 from rich.console import Console
+
 from delft.errors import UserError
-from delft.outputs import check_output_files, write_result
-from delft.numbers.tokens import NumberVocab
-from delft.inspection.records import PURPOSE, PositionRecord, check_target, compute_records, greedy_answer, numbers_of
+from delft.inspection.records import (
+    PURPOSE,
+    InspectResult,
+    ModelView,
+    PositionRecord,
+    check_target,
+    compute_records,
+    greedy_answer,
+    numbers_of,
+)
 from delft.inspection.render import render, to_json, write_plot
-from delft.inspection.records import InspectResult
-from delft.inspection.records import ModelView
+from delft.numbers.tokens import NumberVocab
+from delft.outputs import check_output_files, write_result
 
 
 @dataclass
@@ -105,8 +114,7 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
                    result: Optional[InspectResult], first_vocab: Optional[dict]):
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
     from delft.data import Example, render_prompt, use_chat_template
-    from delft.models.loading import free_memory
-    from delft.models.loading import load_for_inference
+    from delft.models.loading import free_memory, load_for_inference
 
     lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
     try:

@@ -1,15 +1,17 @@
-"""TODO docstring"""
+"""`delft inspect`'s data: for each digit character of an answer, the probabilities of the ten digits given
+that the next token is a digit, the entropy, the argmax, and the answer's numbers with their places.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
-from delft.data import prompt_ids
-from delft.numbers.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
-from delft.errors import UserError
-from delft.numbers.tokens import NumberVocab, number_vocab
 
+from delft.data import prompt_ids
+from delft.errors import UserError
+from delft.numbers.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
+from delft.numbers.tokens import NumberVocab, number_vocab
 
 PURPOSE = "per-digit inspection"
 
@@ -29,7 +31,7 @@ class PositionRecord:
     char: Optional[str]  # '0'..'9' or '.' when the token is a digit or the dot, else None
     kind: Optional[str]  # "digit", "point" (a decimal point inside a number) or None (not shown)
     number: Optional[int]  # which number of the answer (0-based) for digit and point rows
-    place: Optional[int]  # delft.digits place: 1 = units, 2 = tens, -1 = tenths, ...
+    place: Optional[int]  # delft.numbers.digits place: 1 = units, 2 = tens, -1 = tenths, ...
     place_name: Optional[str]
     probs: list[float]  # over the ten digits '0'..'9', conditional on the next token being a digit (sum 1)
     digit_logprobs: list[float]  # full-vocabulary log-probabilities of the ten digit tokens
@@ -98,7 +100,7 @@ def char_rows(token_ids: Sequence[int], texts: Sequence[str],
 
 def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: DigitVocab | NumberVocab):
     """(kind, number, place) per row (``char_rows``: per token, or per digit of a number token), places
-    from delft.digits.run_places.
+    from delft.numbers.digits.run_places.
 
     Thousands separators are dropped before the run rules apply, so "1,234" is one number whose '1' is the
     thousands digit. A '.' is shown (kind "point") when it stands inside a number with a digit after it; a
@@ -199,7 +201,7 @@ def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int
 
 def _char_stats(logp, answer_ids: Sequence[int], numbers: NumberVocab) -> dict[str, list]:
     """Per row (``char_rows``): full-vocabulary log-probabilities of the digits (the number tokens agreeing
-    with the row's token before it, by digit: delft.numtokens.char_logits on log-probabilities), their
+    with the row's token before it, by digit: delft.numbers.tokens.char_logits on log-probabilities), their
     conditional distribution, its entropy (bits) and their total probability. A non-number token's row is
     the first character's (for single-digit tokenizers: the ten digit tokens)."""
     import torch
@@ -243,7 +245,7 @@ def numbers_of(records: Sequence[PositionRecord]) -> list[Number]:
 
 
 def greedy_answer(model, tokenizer, prompt_text: str, max_new_tokens: int, chat: bool):
-    """The greedy continuation (delft.generate, as delft eval answers); its ``answer_ids`` are teacher-forced."""
+    """The greedy continuation (delft.evaluation.generation, as delft eval answers); its ``answer_ids`` are teacher-forced."""
     from delft.evaluation.generation import greedy
 
     return greedy(model, tokenizer, [prompt_text], max_new_tokens, chat, batch_size=1)[0]

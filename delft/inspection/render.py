@@ -1,22 +1,24 @@
-"""TODO docstring"""
+"""`delft inspect`'s output: rich tables of the per-digit probabilities (a compact form for narrow consoles),
+the JSON record and the heatmap.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
+
 from rich import box
 from rich.color import Color
 from rich.console import Console
 from rich.style import Style
 from rich.table import Table
 from rich.text import Text
-from delft import __version__
-from delft.numbers.digits import DIGITS
-from delft.outputs import write_figure
-from delft.inspection.records import InspectResult
-from delft.inspection.records import PositionRecord
 
+from delft import __version__
+from delft.inspection.records import InspectResult, PositionRecord
+from delft.numbers.digits import DIGITS
+from delft.outputs import pct, write_figure
 
 LEGEND = ("cells: P(digit | the next token is a digit) in %, [n] = the answer's digit, '·' < 0.5 %; "
           "entropy: over the ten digits, in bits; P(digits): full-vocabulary probability that the next token "
@@ -69,7 +71,7 @@ def fmt_prob(p: float, marked: bool = False) -> str:
 
 
 def fmt_pct(p: float) -> str:
-    return f"{100 * p:.1f}%"
+    return pct(p, unit="%")
 
 
 def fmt_entropy(h: float) -> str:

@@ -1,19 +1,23 @@
-"""TODO docstring"""
+"""The output layer's side of the loss: digit logits from only the number-token rows of the output weight,
+CE in checkpointed chunks (never the full [N, V] logits at once), and Liger's fused linear CE where it runs.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
 from delft.errors import UserError
-from delft.losses.types import fused_applies
+from delft.losses.registry import fused_applies
+from delft.losses.terms import compute_dtype
 from delft.losses.triton_cpu import interpreter_on, patch_interpreter
-from delft.losses.terms import _compute_dtype
 
 
-def _plain_linear(lm_head: nn.Module) -> Optional[tuple[Tensor, Optional[Tensor]]]:
+def plain_linear(lm_head: nn.Module) -> Optional[tuple[Tensor, Optional[Tensor]]]:
     """(weight, bias) when lm_head is an ordinary float Linear; None for peft/bnb wrappers (use forward)."""
     weight = getattr(lm_head, "weight", None)
     if not isinstance(lm_head, nn.Linear) or not isinstance(weight, Tensor) or weight.ndim != 2:
@@ -27,20 +31,20 @@ def _plain_linear(lm_head: nn.Module) -> Optional[tuple[Tensor, Optional[Tensor]
 def digit_logits(hidden: Tensor, lm_head: nn.Module, digit_ids) -> Tensor:
     """[N, H] -> [N, 10] logits of '0'..'9', in fp32, from only the ten digit rows of the output weight."""
     ids = torch.as_tensor(digit_ids, device=hidden.device, dtype=torch.long)
-    plain = _plain_linear(lm_head)
+    plain = plain_linear(lm_head)
     if plain is None:
         # peft LoRA on the output layer or a quantised head: no plain rows to slice, so run the module on
         # the (few) digit rows and keep ten columns. Costs N_digits x V, not N x V.
-        return lm_head(hidden).index_select(-1, ids).to(_compute_dtype(hidden.dtype))
+        return lm_head(hidden).index_select(-1, ids).to(compute_dtype(hidden.dtype))
     weight, bias = plain
-    ct = _compute_dtype(hidden.dtype)
+    ct = compute_dtype(hidden.dtype)
     b = bias.index_select(0, ids).to(ct) if bias is not None else None
     return F.linear(hidden.to(ct), weight.index_select(0, ids).to(ct), b)
 
 
 def _chunk_ce(lm_head: nn.Module, h: Tensor, t: Tensor) -> Tensor:
     logits = lm_head(h)
-    return F.cross_entropy(logits.to(_compute_dtype(logits.dtype)), t, reduction="sum")
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), t, reduction="sum")
 
 
 def chunked_ce_sum(hidden: Tensor, lm_head: nn.Module, targets: Tensor, chunk_size: int) -> Tensor:
@@ -69,7 +73,7 @@ def liger_importable() -> bool:
 
 
 def resolve_fused(mode: str, device) -> bool:
-    """Whether to use Liger kernels (fused linear CE + layer kernels) on ``device``: delft.loss_types.fused_applies
+    """Whether to use Liger kernels (fused linear CE + layer kernels) on ``device``: delft.losses.registry.fused_applies
     with what this machine has; train.fused_loss 'on' that cannot be honoured is a UserError."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     fused, why = fused_applies(mode, cuda, mode != "off" and liger_importable(), interpreter_on())
@@ -82,7 +86,7 @@ def resolve_fused(mode: str, device) -> bool:
     return fused
 
 
-def _liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor) -> Tensor:
+def liger_ce_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor) -> Tensor:
     # Liger computes the CE gradient chunk by chunk in the forward pass, so the [N, V] logits never exist.
     # API: forward(lin_weight, _input, target, bias=None). Tested on the CPU under TRITON_INTERPRET=1.
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -3,7 +3,7 @@
 Formulas follow docs/losses.md. Shapes: logits[:, t] scores labels[:, t] (the caller shifts, like ntloss);
 IGNORE (-100) labels are ignored. All digit terms are computed in fp32 (fp64 inputs stay fp64), from the
 logit columns of the number tokens only: the ten digits, or on tokenizers with multi-digit number tokens
-(Llama-3: 1,110 of one to three digits) per digit *character* via delft.numtokens.char_logits.
+(Llama-3: 1,110 of one to three digits) per digit *character* via delft.numbers.tokens.char_logits.
 
 ``Loss`` is built once from the recipe (type, lambda, options, chunk size, CE path). Over one optimizer batch,
     loss = CE_sum / N_labels + lambda * term_sum / N_digits
@@ -18,15 +18,25 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
+
 import torch
 from torch import Tensor, nn
-from delft.numbers.tokens import IGNORE
-from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS, DigitVocab, place_weight
+
 from delft.errors import UserError
-from delft.losses.types import CE, CHUNKED_CE, FUSED_CE, GLOBAL, LOSS_TYPES, NORMALISATIONS, REFERENCE, LossType
-from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets, number_vocab, offered
-from delft.losses.heads import _liger_ce_sum, _plain_linear, chunked_ce_sum, digit_logits, resolve_fused
-from delft.losses.terms import TERMS, TermFn, _compute_dtype
+from delft.losses.heads import chunked_ce_sum, digit_logits, liger_ce_sum, plain_linear, resolve_fused
+from delft.losses.registry import CE, CHUNKED_CE, FUSED_CE, GLOBAL, LOSS_TYPES, NORMALISATIONS, REFERENCE, LossType
+from delft.losses.terms import TERMS, TermFn, compute_dtype
+from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS, DigitVocab, place_weight
+from delft.numbers.tokens import (
+    IGNORE,
+    CharTable,
+    NumberVocab,
+    char_logits,
+    count_digit_chars,
+    number_targets,
+    number_vocab,
+    offered,
+)
 
 
 class Counts(NamedTuple):
@@ -88,7 +98,7 @@ class Sums:
 def digit_stats(z: Tensor, y: Tensor) -> tuple[float, float]:
     """(sum over rows of the mean raw digit logit, sum of P(y | the ten digits)) of z [N, 10]: for the log."""
     with torch.no_grad():
-        z = z.to(_compute_dtype(z.dtype))
+        z = z.to(compute_dtype(z.dtype))
         p_y = torch.softmax(z, dim=-1).gather(-1, y.view(-1, 1).to(z.device))
         return float(z.mean(dim=-1).sum()), float(p_y.sum())
 
@@ -96,16 +106,16 @@ def digit_stats(z: Tensor, y: Tensor) -> tuple[float, float]:
 class Loss:
     """CE + lambda x a digit term, built once (``from_recipe``): what the trainer, the bench and the tests use.
 
-    ``type`` names a delft.loss_types.LOSS_TYPES entry; ``params`` are its options (dist2: tau). ``fused``
+    ``type`` names a delft.losses.registry.LOSS_TYPES entry; ``params`` are its options (dist2: tau). ``fused``
     selects Liger's fused linear CE (see ``resolve_fused``) where the output layer is a plain Linear and
     gradients are being taken; otherwise the output layer runs in checkpointed chunks of ``chunk_size`` rows.
     ``ran`` collects the CE paths that training micro-batches actually took. ``vocab`` is a DigitVocab or a
-    NumberVocab (delft.numtokens); the digit term is per digit character either way (``numbers``).
+    NumberVocab (delft.numbers.tokens); the digit term is per digit character either way (``numbers``).
 
     ``normalisation`` 'global' (delft) or 'reference' (the DEL reference under HF Trainer: see ``means``);
     ``grad_accum`` and ``world_size`` only matter for 'reference'. ``world_size`` is the number of processes
-    whose gradients are summed into one optimizer step (delft.distributed): the reference's GPU count. ``place_weights`` / ``place_weight_cap``
-    choose the place weight (delft.digits.place_weight) that the DEL forms read.
+    whose gradients are summed into one optimizer step (delft.training.distributed): the reference's GPU count. ``place_weights`` / ``place_weight_cap``
+    choose the place weight (delft.numbers.digits.place_weight) that the DEL forms read.
     """
 
     def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab | NumberVocab] = None, *,
@@ -197,9 +207,9 @@ class Loss:
         keep = labels != IGNORE
         h, t = hidden[keep], labels[keep]
         training = torch.is_grad_enabled()
-        plain = _plain_linear(lm_head) if self.fused and training and h.shape[0] > 0 else None
+        plain = plain_linear(lm_head) if self.fused and training and h.shape[0] > 0 else None
         if plain is not None:
-            ce_sum, path = _liger_ce_sum(h, plain[0], plain[1], t), FUSED_CE
+            ce_sum, path = liger_ce_sum(h, plain[0], plain[1], t), FUSED_CE
         else:
             ce_sum, path = chunked_ce_sum(h, lm_head, t, self.chunk_size), CHUNKED_CE
         if training and h.shape[0] > 0:

@@ -1,16 +1,19 @@
-"""TODO docstring"""
+"""The full-logits path and the standalone ``nn.Module`` losses (``DigitEntropyLoss``, ``NumberTokenLoss``,
+``Dist2Loss``) for code that already has logits [B, T, V] aligned with its labels.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from delft.numbers.tokens import IGNORE
-from delft.numbers.digits import DigitVocab
-from delft.numbers.tokens import NumberVocab, number_targets
+
 from delft.losses.loss import Loss, Sums
-from delft.losses.terms import _compute_dtype
+from delft.losses.terms import compute_dtype
+from delft.numbers.digits import DigitVocab
+from delft.numbers.tokens import IGNORE, NumberVocab, number_targets
 
 
 def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: NumberVocab) -> Tensor:
@@ -21,7 +24,7 @@ def _gather_digit_columns(logits: Tensor, mask: Tensor, vocab: NumberVocab) -> T
     if logits.shape[-1] != len(vocab.ids):
         ids = torch.tensor(vocab.ids, device=logits.device, dtype=torch.long)
         logits = logits.index_select(-1, ids)
-    return logits[mask].to(_compute_dtype(logits.dtype))
+    return logits[mask].to(compute_dtype(logits.dtype))
 
 
 def _term_sum(logits: Tensor, labels: Tensor, loss: Loss) -> tuple[Tensor, Tensor, Tensor]:
@@ -40,7 +43,7 @@ def term_mean(logits: Tensor, labels: Tensor, loss: Loss) -> Tensor:
 def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
     """Reference path from full logits [B, T, V] of a whole batch: ``loss.means`` (loss, ce, term) as tensors."""
     flat = logits.reshape(-1, logits.shape[-1])
-    ce_sum = F.cross_entropy(flat.to(_compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
+    ce_sum = F.cross_entropy(flat.to(compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
                              reduction="sum")
     counts = loss.count(labels)
     if not loss.has_term:
@@ -53,7 +56,7 @@ class _DigitLoss(nn.Module):
     """Base: find digit labels, gather their logit columns, average a per-character term. No lambda applied.
 
     Single-digit tokenizers and number tokens of 1-3 digits (Llama-3) both work: the term is per digit
-    character (delft.numtokens); tokenizers that glue digits to other characters are refused with examples.
+    character (delft.numbers.tokens); tokenizers that glue digits to other characters are refused with examples.
     """
 
     def __init__(self, tokenizer, vocab: Optional[DigitVocab | NumberVocab], loss_type: str, **params):

@@ -1,34 +1,39 @@
-"""TODO docstring"""
+"""The per-position digit terms, one function per loss type, registered by name (``@term_of``): each maps ten
+digit logits z [N, 10], gold digits y [N] and place weights w [N] to a term per position [N]. Computed in fp32
+(fp64 kept), and written so that a digit far ahead of the others loses neither value nor gradient.
+"""
 
 from __future__ import annotations
 
 from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from delft.losses.types import LOSS_TYPES
+
+from delft.losses.registry import LOSS_TYPES
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half types, fp64 kept (gradcheck)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def _prep(z: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    z = z.to(_compute_dtype(z.dtype))
+    z = z.to(compute_dtype(z.dtype))
     return z, y.to(device=z.device, dtype=torch.long)
 
 
 TermFn = Callable[..., Tensor]
 
 
-TERMS: dict[str, TermFn] = {}  # loss type name (delft.loss_types.LOSS_TYPES) -> per-position term
+TERMS: dict[str, TermFn] = {}  # loss type name (delft.losses.registry.LOSS_TYPES) -> per-position term
 
 
 def term_of(name: str):
     """Register a per-position term function for the loss type ``name``."""
     if name not in LOSS_TYPES or not LOSS_TYPES[name].has_term:
-        raise ValueError(f"{name!r} is not a digit-term type of delft.loss_types.LOSS_TYPES")
+        raise ValueError(f"{name!r} is not a digit-term type of delft.losses.registry.LOSS_TYPES")
 
     def register(fn: TermFn) -> TermFn:
         TERMS[name] = fn

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 from typing import Optional
+
 from delft.errors import UserError
-from delft.rundir import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_CONFIG, base_model, check_adapter_matches,
-                          check_model_files, has_adapter, is_merged_model, tokenizer_source)
-import gc
 from delft.models.sources import ModelRef, resolve_model
+from delft.rundir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MODEL_CONFIG,
+    base_model,
+    check_adapter_matches,
+    check_model_files,
+    has_adapter,
+    is_merged_model,
+    tokenizer_source,
+)
 
 
 def resolve_device(pref: str) -> str:
@@ -63,8 +73,8 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
     if quantization == "nf4":
         _check_cpu_nf4(ref, device)
         try:
-            from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
         except ImportError as e:
             raise UserError(f"nf4 quantization needs bitsandbytes ({e})", "quantization.mode",
                             "pip install bitsandbytes, or set quantization.mode: none.") from None

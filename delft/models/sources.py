@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""Where a model comes from: a local directory, a hub id, or the built-in 'smollm2-135m' (SmolLM2-135M from a
+PyPI package, converted once from GGUF into delft's cache).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-from delft.errors import UserError
-from delft.rundir import (ADAPTER_CONFIG, MODEL_CONFIG, follow_umask)
-from delft.data import HUB_ID, hub_reachable
 
+from delft.data import HUB_ID, hub_reachable
+from delft.errors import UserError
+from delft.outputs import follow_umask, staged
+from delft.rundir import ADAPTER_CONFIG, MODEL_CONFIG
 
 SMOLLM2_ALIAS = "smollm2-135m"
 
@@ -177,24 +180,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         raise RuntimeError(f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}")
     if missing:  # tied output layer
         plain.tie_weights()
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
-    follow_umask(tmp)
-    _publish(tmp, target)
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename a finished cache entry into place; when another process got there first, keep its copy (it may
-    be loading it) and drop ours. Only a leftover without config.json is replaced."""
-    if target.exists() and not (target / MODEL_CONFIG).is_file():
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / MODEL_CONFIG).is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    # another process may convert the same file: a complete copy (config.json present) it published first is kept
+    with staged(target, shared=lambda p: (p / MODEL_CONFIG).is_file()) as tmp:
+        tmp.mkdir(parents=True)
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
+        follow_umask(tmp)

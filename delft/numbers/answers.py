@@ -33,8 +33,8 @@ import threading
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation, localcontext
 from typing import Iterable, Optional
-from delft.numbers.digits import digits_by_place, exact_context
 
+from delft.numbers.digits import digits_by_place, exact_context
 
 RULES = ("####", "boxed", "boxed_latex", "answer_is", "last_number", "none")
 
@@ -172,8 +172,8 @@ def cut_at_stop(text: str, stops: Iterable[str] = PLAIN_STOP_STRINGS) -> str:
 def _math_verify_number(latex: str) -> Optional[Decimal]:
     """A LaTeX expression's numeric value via math-verify (None if it is not a finite number)."""
     try:
-        from math_verify import parse
         import sympy
+        from math_verify import parse
     except ImportError:  # pragma: no cover - math-verify is a dependency
         return None
     timeout = 5 if threading.current_thread() is threading.main_thread() else None

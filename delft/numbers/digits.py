@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Optional, Sequence
-from delft.errors import UserError
 
+from delft.errors import UserError
 
 DIGITS = "0123456789"
 

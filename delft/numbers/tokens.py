@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
-from delft.numbers.digits import DIGITS, DigitVocab, place_weight, token_places
-from delft.errors import UserError
 
+from delft.errors import UserError
+from delft.numbers.digits import DIGITS, DigitVocab, place_weight, token_places
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -1,16 +1,19 @@
-"""TODO docstring"""
+"""Checkpoints: adapter + optimizer + scheduler + RNG states written to a temporary directory and renamed into
+place, the free-space check before, and loading one back for an exact resume.
+"""
 
 from __future__ import annotations
 
 import errno
-import os
 import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
-from delft.errors import UserError
+
 from delft import rundir
+from delft.errors import UserError
+from delft.outputs import follow_umask, staged
 
 
 def rng_states() -> dict:
@@ -55,17 +58,12 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": rng or rng_states()}
-    with no_space_is_a_user_error(tmp, "checkpoint"):
+    with staged(final) as tmp, no_space_is_a_user_error(tmp, "checkpoint"):
         model.save_pretrained(tmp)
         torch.save(state, tmp / rundir.STATE_FILE)
-    rundir.follow_umask(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        follow_umask(tmp)
     for old in rundir.checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

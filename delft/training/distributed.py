@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-from delft.errors import UserError
 
+from delft.errors import UserError
 
 TIMEOUT_ENV = "DELFT_DIST_TIMEOUT"
 
@@ -134,7 +134,7 @@ def _collective(what: str, fn, *args):
 
 
 def all_reduce_counts(counts):
-    """The optimizer batch's label and digit counts summed over all ranks (delft.losses.Counts)."""
+    """The optimizer batch's label and digit counts summed over all ranks (delft.losses.loss.Counts)."""
     if world_size() == 1:
         return counts
     import torch
@@ -189,7 +189,7 @@ def _device():
 
 
 def global_sums(sums, tokens: int):
-    """(this step's delft.losses.Sums added over all ranks, tokens over all ranks): what the log and tok/s
+    """(this step's delft.losses.loss.Sums added over all ranks, tokens over all ranks): what the log and tok/s
     report. The whole object goes in one all-reduce (``Sums.as_floats``), so no field is dropped."""
     if world_size() == 1:
         return sums, tokens

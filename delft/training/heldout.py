@@ -2,7 +2,7 @@
 
 The slice is the first ``train.accuracy_examples`` problems of the recipe's eval set (``eval.data``, or the
 synthetic source with the eval seed offset), answered and scored exactly as ``delft eval RECIPE --limit N``
-does (delft.generate.greedy, delft.answers), so the last row in metrics.jsonl equals that command's exact match
+does (delft.evaluation.generation.greedy, delft.numbers.answers), so the last row in metrics.jsonl equals that command's exact match
 for the final adapter. The validation split is not used: its examples are tokenized for the loss, and the eval
 set is the one a user reads results on.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
 from rich.console import Console
 
 
@@ -27,7 +28,7 @@ def heldout_data(recipe, n: int):
 class HeldOut:
     """The rendered prompts and gold answers of the slice, and how to answer them."""
 
-    problems: Sequence  # delft.evaluate.Problem
+    problems: Sequence  # delft.evaluation.problems.Problem
     prompts: list[str]
     chat: bool
     stops: list[str]
@@ -38,8 +39,8 @@ class HeldOut:
     @classmethod
     def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
         from delft.data import render_prompt, use_chat_template
-        from delft.evaluation.problems import load_problems
         from delft.evaluation.generation import stop_strings
+        from delft.evaluation.problems import load_problems
 
         data = heldout_data(recipe, recipe.train.accuracy_examples)
         problems, _ = load_problems(data, console)
@@ -54,9 +55,9 @@ class HeldOut:
         Generation needs eval mode (no LoRA dropout; HF turns the KV cache off while gradient checkpointing
         trains) and ``use_cache`` on, which training turns off.
         """
-        from delft.numbers.answers import extract_answer, score
-        from delft.evaluation.metrics import summarize
         from delft.evaluation.generation import greedy
+        from delft.evaluation.metrics import summarize
+        from delft.numbers.answers import extract_answer, score
 
         was_training, use_cache = model.training, getattr(model.config, "use_cache", None)
         model.eval()

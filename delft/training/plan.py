@@ -25,8 +25,8 @@ import math
 import re
 from pathlib import Path
 from typing import Optional
-from delft.errors import UserError
 
+from delft.errors import UserError
 
 GiB = 2**30
 
@@ -108,7 +108,7 @@ LIGER_CALIBRATION = [
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# config key under which run_plan passes the tokenizer's number-token count (delft.numtokens); 10 when unknown
+# config key under which run_plan passes the tokenizer's number-token count (delft.numbers.tokens); 10 when unknown
 NUMBER_TOKENS = "delft_number_tokens"
 
 
@@ -166,22 +166,13 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2  # auto = bf16 (fp16 where unsupported) on a GPU
 
 
-def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float = 1.0) -> dict:
-    """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
-
-    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (``planned_fused``
-    tells whether the recipe's run takes that path). ``label_fraction`` is the share of positions with a label
-    (1.0: the upper bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
-    peak_allocated (what torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
-    """
-    s = model_shape(config)
-    t, q, lo = recipe.train, recipe.quantization, recipe.lora
-    H, L, V, I = s["hidden"], s["layers"], s["vocab"], s["intermediate"]
+def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
+    """(nf4 weights, 16-bit or fp32 weights, LoRA weights + gradients + AdamW states) in bytes."""
+    q, lo = recipe.quantization, recipe.lora
+    H, L, V = s["hidden"], s["layers"], s["vocab"]
     d = _dtype_bytes(recipe.model.dtype)
     nf4 = q.mode in ("auto", "nf4")
-    upcast = nf4 and q.kbit_upcast
-    small = 4 if upcast else d  # prepare_model_for_kbit_training casts every non-quantised weight to fp32
-
+    small = 4 if nf4 and q.kbit_upcast else d  # prepare_model_for_kbit_training casts non-quantised weights to fp32
     lin = _linears(s)
     mlp = sum(a * b for k, (a, b) in lin.items() if k.endswith(("gate_proj", "up_proj", "down_proj")))
     linear_params = L * (sum(a * b for a, b in lin.values()) + (s["experts"] - 1) * mlp)
@@ -191,14 +182,16 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
     weights_nf4 = linear_params * (NF4_BYTES if q.double_quant else NF4_BYTES_NO_DQ) if nf4 else 0
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     lora_params = L * sum(lo.r * (a + b) for k, (a, b) in lin.items() if k in _lora_targets(lo.target_modules))
-    lora_opt = lora_params * LORA_BYTES
+    return weights_nf4, weights_16, lora_params * LORA_BYTES
 
-    B, T = t.batch_size, recipe.data.max_length
-    tokens = B * T
-    n_lab = max(1, math.ceil(tokens * label_fraction))
-    scale = d / 2  # activations were counted for 16-bit compute
-    use_fused = fused
-    layer_tok = (LIGER_LAYER_FIT if use_fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * scale
+
+def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
+    """(activations kept for backward, the largest layer's recompute + backward working set) in bytes."""
+    t, lo = recipe.train, recipe.lora
+    H, L, I = s["hidden"], s["layers"], s["intermediate"]
+    d = _dtype_bytes(recipe.model.dtype)
+    lin = _linears(s)
+    layer_tok = (LIGER_LAYER_FIT if fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * d / 2  # fitted at 16 bit
     if lo.dropout > 0:  # peft's dropout keeps an fp32 copy of each LoRA input and its mask
         layer_tok += sum(a for k, (a, _) in lin.items() if k in _lora_targets(lo.target_modules)) * 5
     if t.gradient_checkpointing:
@@ -207,22 +200,44 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
     else:  # every layer keeps what it saves; about half the recompute + backward working set each
         activations = L * tokens * layer_tok * 0.5
         layer_backward = tokens * layer_tok * 0.5
-    if nf4:
+    if recipe.quantization.mode in ("auto", "nf4"):
         layer_backward += dequantised_copy(lin, d)
+    return activations, layer_backward
 
-    logit_d = 4 if upcast else d
+
+def _loss_bytes(s: dict, recipe, fused: bool, tokens: int, n_lab: int) -> float:
+    """The loss's working set in bytes: the output layer's logits (chunked or Liger's fused rows) and the digit rows."""
+    H, V = s["hidden"], s["vocab"]
+    d = _dtype_bytes(recipe.model.dtype)
+    q = recipe.quantization
+    logit_d = 4 if q.mode in ("auto", "nf4") and q.kbit_upcast else d
     out_hidden = tokens * H * (d + 4) + n_lab * H * d  # final hidden (and the norm's fp32 input), labelled rows
     # upper bound: hidden rows at number positions gathered and upcast, the number tokens' output rows (and
     # their fp32 copy), their [rows x T] fp32 logits with the padded copy and per-character gather char_logits makes
     T_num = s["number_tokens"]
     digit_rows = n_lab * H * (d + 4) + T_num * H * (d + 4) + n_lab * T_num * 4 * 3
-    if use_fused:
+    if fused:
         rows = 2 ** math.ceil(math.log2(max(1, math.ceil(n_lab / math.ceil(V / H)))))
         loss = rows * V * (logit_d + 4) + n_lab * H * d + n_lab * 4
     else:
-        loss = min(t.loss_chunk_size, n_lab) * V * (logit_d + (4 if logit_d != 4 else 0) + 4)
-    loss += out_hidden + digit_rows
+        loss = min(recipe.train.loss_chunk_size, n_lab) * V * (logit_d + (4 if logit_d != 4 else 0) + 4)
+    return loss + out_hidden + digit_rows
 
+
+def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float = 1.0) -> dict:
+    """Components of the peak GPU memory of ``recipe``'s training step, in bytes (pure: no files, no torch).
+
+    ``config`` is a config.json dict. ``fused`` = Liger's fused linear CE and layer kernels (``planned_fused``
+    tells whether the recipe's run takes that path). ``label_fraction`` is the share of positions with a label
+    (1.0: the upper bound). Keys: weights_nf4, weights_16bit, lora_optimizer, activations, loss, layer_backward,
+    peak_allocated (what torch.cuda.max_memory_allocated reports), allocator_slack, cuda_context, total.
+    """
+    s = model_shape(config)
+    tokens = recipe.train.batch_size * recipe.data.max_length
+    n_lab = max(1, math.ceil(tokens * label_fraction))
+    weights_nf4, weights_16, lora_opt = _weight_bytes(s, recipe)
+    activations, layer_backward = _layer_bytes(s, recipe, fused, tokens)
+    loss = _loss_bytes(s, recipe, fused, tokens, n_lab)
     peak = weights_nf4 + weights_16 + lora_opt + activations + max(loss, layer_backward)
     slack = peak * ALLOCATOR_SLACK
     comp = dict(weights_nf4=weights_nf4, weights_16bit=weights_16, lora_optimizer=lora_opt,
@@ -306,7 +321,7 @@ def read_model_config(recipe) -> tuple[dict, str]:
         from delft.models.sources import gguf_cache_path
 
         p = Path(name).expanduser()
-        if p.is_file():  # the directory delft.models.gguf_to_cache converts it into
+        if p.is_file():  # the directory delft.models.sources.gguf_to_cache converts it into
             conv = gguf_cache_path(p) / "config.json"
             if conv.is_file():
                 return _config(conv), str(conv)
@@ -337,7 +352,7 @@ def _config(path: Path) -> dict:
 def with_number_tokens(config: dict, source: str) -> tuple[dict, str]:
     """(config with its tokenizer's number-token count under NUMBER_TOKENS, a note when that is a guess).
 
-    The count comes from the tokenizer.json beside config.json (delft.numtokens, without torch); 10 (single
+    The count comes from the tokenizer.json beside config.json (delft.numbers.tokens, without torch); 10 (single
     digits) where there is none or where the tokenizer is refused (then `delft train` refuses it too)."""
     from delft.numbers.tokens import NumberVocab
 
@@ -427,11 +442,11 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
 
 def planned_fused(recipe) -> tuple[bool, bool, str]:
     """(fused path?, liger-kernel installed?, warning) for the recipe's run on a GPU, by training's rule
-    (delft.loss_types.fused_applies). Installed is judged without importing it (no torch here). A run with
+    (delft.losses.registry.fused_applies). Installed is judged without importing it (no torch here). A run with
     train.fused_loss 'on' but no liger-kernel refuses to start: it is planned as the fused run it insists on."""
     import importlib.util
 
-    from delft.losses.types import fused_applies
+    from delft.losses.registry import fused_applies
 
     liger = importlib.util.find_spec("liger_kernel") is not None
     fused, why = fused_applies(recipe.train.fused_loss, cuda=True, liger=liger)
@@ -508,7 +523,7 @@ def _print_knobs(console, knobs: list[dict]) -> None:
 
 
 def per_gpu(est: dict, world_size: int) -> dict:
-    """``plan_memory``'s numbers for each GPU of a ``world_size``-process data-parallel run (delft.distributed).
+    """``plan_memory``'s numbers for each GPU of a ``world_size``-process data-parallel run (delft.training.distributed).
 
     Each rank runs the one-process step on its own micro-batch of train.batch_size, so its peak is the same; only
     NCCL's buffers come on top. The gradient all-reduce's flat fp32 copy of the LoRA gradients is made after the

@@ -1,13 +1,15 @@
-"""TODO docstring"""
+"""What a run reports besides the metrics rows: peak memory and the loss curve plot.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 from pathlib import Path
+
+from delft.outputs import staged
 
 
 def peak_memory_gb(device: str) -> float:
@@ -65,7 +67,8 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
     ax.legend(handles, labels)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        with staged(out, ".png") as tmp:  # matplotlib picks the format from the suffix
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)

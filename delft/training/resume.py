@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""The run directory before training: new, resumed (only with a recipe that differs in resume-free keys), or
+replaced with --force (only a delft run directory); the metrics log cut back to the checkpoint's step.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +8,15 @@ import json
 import os
 from pathlib import Path
 from typing import Optional
-from rich.console import Console
-from delft.errors import UserError
-from delft import rundir
-from delft.training import distributed as dist
-from delft.recipe import Recipe, load_recipe, recipe_differences
-from delft.rundir import latest_checkpoint, write_atomic
 
+from rich.console import Console
+
+from delft import rundir
+from delft.errors import UserError
+from delft.outputs import write_atomic
+from delft.recipe import Recipe, load_recipe, recipe_differences
+from delft.rundir import latest_checkpoint
+from delft.training import distributed as dist
 
 # Keys a resumed run may change: schedule length and bookkeeping, and how the loss is computed (chunk size, Liger
 # or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish where Liger is missing.
@@ -27,7 +31,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
 
     Never overwrites a user's run without --force, and even then only later, once the model and data have
     loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
-    Called with the run directory's lock held (delft.runlock), so no other training is using it, and after
+    Called with the run directory's lock held (delft.training.lock), so no other training is using it, and after
     ``check_replaceable`` (run_training checks before the lock file is made beside the directory).
     """
     run_dir = Path(recipe.output.dir)
@@ -91,7 +95,7 @@ def check_writable(run_dir: Path) -> None:
                         "Choose an output.dir in a directory you can write to.")
 
 
-def _truncate_metrics(path: Path, step: int, console: Console) -> None:
+def truncate_metrics(path: Path, step: int, console: Console) -> None:
     """On resume, forget log lines written after the checkpoint (they will be written again); a last line
     half-written by a killed run is dropped, and said so."""
     if not path.is_file():

@@ -1,10 +1,13 @@
-"""TODO docstring"""
+"""Which examples each optimizer step sees: the step count of a run and its micro-batches from one seeded,
+endless stream shared by every rank.
+"""
 
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
+
 from delft.recipe import Recipe
 
 

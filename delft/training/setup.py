@@ -1,12 +1,16 @@
-"""TODO docstring"""
+"""What a run needs before its first step: device, tokenizer, digit vocabulary, the loss built from the recipe,
+the datasets, and the model with its LoRA adapter.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from rich.console import Console
+
 from delft.errors import UserError
-from delft.training import distributed as dist
 from delft.recipe import Recipe
+from delft.training import distributed as dist
 
 
 @dataclass
@@ -17,7 +21,7 @@ class Setup:
     device: str
     quantization: str
     tokenizer: object
-    loss: object  # delft.losses.Loss
+    loss: object  # delft.losses.loss.Loss
     train: list
     val: list
     stats: object
@@ -27,9 +31,9 @@ class Setup:
 def setup(recipe: Recipe) -> Setup:
     from delft.data import build_datasets
     from delft.losses.loss import Loss
-    from delft.numbers.tokens import NumberVocab
     from delft.models.loading import load_tokenizer, resolve_device, resolve_quantization
     from delft.models.sources import resolve_model
+    from delft.numbers.tokens import NumberVocab
 
     device = resolve_device(recipe.model.device)
     quant = resolve_quantization(recipe.quantization.mode, device)
@@ -52,7 +56,7 @@ def build_model(s: Setup, console: Console):
     """(model with LoRA, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu", "rope"])."""
     import torch
 
-    from delft.losses.types import FUSED_CE
+    from delft.losses.registry import FUSED_CE
     from delft.models.loading import apply_liger_layers, apply_lora, load_model, resolve_dtype
 
     r = s.recipe
@@ -85,7 +89,7 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss
     term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
-    from delft.losses.types import GLOBAL
+    from delft.losses.registry import GLOBAL
 
     how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
            f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""Ctrl-C and SIGTERM during training: finish or abandon the step in flight, save a checkpoint, exit resumable.
+"""
 
 from __future__ import annotations
 

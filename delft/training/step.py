@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""One optimizer step: counts over the whole optimizer batch (every micro-batch, every rank) first, then the
+micro-batches' backward passes normalised by them; and the validation loss with the same normalisation.
+"""
 
 from __future__ import annotations
 

@@ -17,15 +17,24 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
+
 from rich.console import Console
-from delft.errors import UserError
+
 from delft import rundir
-from delft.training import distributed as dist
+from delft.errors import UserError
+from delft.outputs import follow_umask, write_atomic
 from delft.recipe import Recipe, dump_recipe
-from delft.rundir import write_atomic
-from delft.training.checkpoints import adapter_bytes, check_free_space, load_checkpoint, no_space_is_a_user_error, rng_states, save_checkpoint
+from delft.training import distributed as dist
+from delft.training.checkpoints import (
+    adapter_bytes,
+    check_free_space,
+    load_checkpoint,
+    no_space_is_a_user_error,
+    rng_states,
+    save_checkpoint,
+)
 from delft.training.report import peak_memory_gb, plot_losses
-from delft.training.resume import _truncate_metrics, check_replaceable, check_writable, prepare_run_dir
+from delft.training.resume import check_replaceable, check_writable, prepare_run_dir, truncate_metrics
 from delft.training.schedule import make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, describe, setup
 from delft.training.signals import StopSignals
@@ -52,7 +61,7 @@ class Trainer:
         self.step = 0
         self.stops = StopSignals()
         self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
-        self.heldout = None  # delft.heldout.HeldOut when train.accuracy_steps is set
+        self.heldout = None  # delft.training.heldout.HeldOut when train.accuracy_steps is set
         if t.accuracy_steps:
             from delft.training.heldout import HeldOut
 
@@ -73,7 +82,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ckpt is not None:
             self.step = self.resume_from(ckpt)
-            _truncate_metrics(self.metrics_path, self.step, self.console)
+            truncate_metrics(self.metrics_path, self.step, self.console)
             earlier = rundir.read_info(self.run_dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
         write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
@@ -168,7 +177,7 @@ class Trainer:
                            f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
 
     def measure_accuracy(self) -> None:
-        """Greedy exact match on the held-out slice (delft.heldout), logged and shown; rank 0 alone, like validation."""
+        """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown; rank 0 alone, like validation."""
         if not dist.is_main():
             return
         row = {"step": self.step, **self.heldout.measure(self.model)}
@@ -243,7 +252,7 @@ class Trainer:
         with no_space_is_a_user_error(tmp, "adapter"):
             self.model.save_pretrained(tmp)
             self.s.tokenizer.save_pretrained(tmp)
-        rundir.follow_umask(tmp)
+        follow_umask(tmp)
         for f in tmp.iterdir():
             os.replace(f, run_dir / f.name)
         tmp.rmdir()

@@ -5,13 +5,13 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from helpers import lora_run as _lora_run
 from rich.console import Console
+from tiny import save_digit_model as _digit_model
 from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.evaluation.command import run_eval
-from helpers import lora_run as _lora_run
-from tiny import save_digit_model as _digit_model
 
 FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
 

@@ -5,18 +5,18 @@ import math
 
 import pytest
 import torch
+from helpers import DATA
 from rich.console import Console
+from tiny import save_tiny
 from typer.testing import CliRunner
 
 import delft.evaluation.teacher_forced as teacher_mod
 from delft.cli import app
 from delft.data import tokenize_example
-from delft.numbers.tokens import IGNORE
-from delft.numbers.digits import DigitVocab, place_name
 from delft.evaluation.command import run_eval
+from delft.numbers.digits import DigitVocab, place_name
+from delft.numbers.tokens import IGNORE
 from delft.recipe import DataConfig
-from helpers import DATA
-from tiny import save_tiny
 
 FAST = ["eval.max_new_tokens=3", "eval.batch_size=3", "eval.bootstrap=200"]
 GSM8K = DATA / "gsm8k_test.jsonl"

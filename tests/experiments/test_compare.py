@@ -3,14 +3,14 @@
 import json
 
 import pytest
+from helpers import REPO, write_yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
 from delft.cli import app
+from delft.errors import UserError
 from delft.experiments.compare import resolve_contenders, run_compare
 from delft.recipe import flat_keys
-from delft.errors import UserError
-from helpers import REPO, write_yaml
 
 COMPARE = REPO / "recipes" / "compare"
 

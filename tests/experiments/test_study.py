@@ -5,14 +5,15 @@ import json
 
 import pytest
 import yaml
+from helpers import DATA, REPO, write_yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
+from delft.evaluation.metrics import Z_LEVEL, Z_POWER, mdd
+from delft.experiments.study import _contenders, eval_data, load_study, run_study
 from delft.recipe import load_recipe
-from delft.experiments.study import Z_LEVEL, Z_POWER, _contenders, eval_data, load_study, mdd, run_study
-from helpers import REPO, DATA, write_yaml
 
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny import save_tiny
 from typer.testing import CliRunner
 
 from delft.cli import app
@@ -22,7 +23,6 @@ from delft.errors import UserError
 from delft.export.merge import MARKER, _describe_merge, run_export
 from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
 from delft.export.report import eval_headline
-from tiny import save_tiny
 
 PROMPT = "Compute 408 / 17 and 9.75 * 4."  # not one of the export's own check prompts
 EVAL_JSON = {"models": [{"name": "base", "metrics": {"n": 64, "exact_match": 0.25, "digit_accuracy": 0.5}},

@@ -16,13 +16,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import REPO
 from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError, VerificationError
-from delft.export.gguf import CONVERTER_FILES, MARKER, MODELFILE, TOLERANCE, _extract_converter, compare, ollama_modelfile, parse_types, prepare_gguf
+from delft.export.gguf import (
+    CONVERTER_FILES,
+    MARKER,
+    MODELFILE,
+    TOLERANCE,
+    _extract_converter,
+    compare,
+    ollama_modelfile,
+    parse_types,
+    prepare_gguf,
+)
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"

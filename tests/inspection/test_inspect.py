@@ -9,12 +9,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from delft.numbers.digits import DIGITS, DigitVocab
-from delft.errors import UserError
 import delft.inspection.command as inspect_command
+from delft.errors import UserError
 from delft.inspection.command import run_inspect
 from delft.inspection.records import check_target, compute_records, greedy_answer, label_positions, numbers_of
 from delft.inspection.render import fmt_argmax, fmt_entropy, fmt_pct, fmt_prob, fmt_token
+from delft.numbers.digits import DIGITS, DigitVocab
 
 PROMPT = "What is 5 + 7?"
 
@@ -375,9 +375,9 @@ def test_cli_target_json(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("template", ["chat", "plain"])
 def test_eval_and_inspect_give_the_same_answer(tiny_model_dir, tmp_path, template):
-    """One generator (delft.generate): eval extracts from the very answer text that inspect shows."""
-    from delft.numbers.answers import cut_at_stop, extract_answer
+    """One generator (delft.evaluation.generation): eval extracts from the very answer text that inspect shows."""
     from delft.evaluation.command import run_eval
+    from delft.numbers.answers import cut_at_stop, extract_answer
 
     prompts = [PROMPT, "What is 12 * 34?", "Q: 1,250.5 - 93 ="]
     data = tmp_path / "problems.jsonl"

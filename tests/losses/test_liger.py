@@ -10,14 +10,14 @@ import sys
 
 import pytest
 import torch
-
-from delft.numbers.digits import DigitVocab
-from delft.losses.loss import Loss
-from delft.losses.heads import resolve_fused
-from delft.recipe import load_recipe
-from delft.training.trainer import run_training
 from helpers import adapter_weights, recipe_file
 from tiny import build_model, build_tokenizer
+
+from delft.losses.heads import resolve_fused
+from delft.losses.loss import Loss
+from delft.numbers.digits import DigitVocab
+from delft.recipe import load_recipe
+from delft.training.trainer import run_training
 
 
 @pytest.fixture

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from delft.numbers.digits import DigitVocab, place_weight
-from delft.losses.terms import TERMS
-from delft.losses.loss import Counts, Loss, Sums
-from delft.losses.modules import term_mean
-from delft.recipe import LossConfig, load_recipe
 from helpers import digit_targets, recipe_file
 from tiny import build_model, build_tokenizer
+from torch import nn
+
+from delft.losses.loss import Counts, Loss, Sums
+from delft.losses.modules import term_mean
+from delft.losses.terms import TERMS
+from delft.numbers.digits import DigitVocab, place_weight
+from delft.recipe import LossConfig, load_recipe
 
 VARIANTS = ["del_prob", "del_centered"]
 
@@ -233,7 +233,7 @@ def test_reference_normalisation_equals_hf_trainer(digits):
         ref = simulate_hf_trainer(lm_head, shards, vocab, lam)[0]
         loss = Loss("del", lam, vocab, normalisation="reference", grad_accum=ga, world_size=world)
         # delft's data-parallel step: counts over every rank first, each rank backward on its share, then the
-        # ranks' gradients and Sums are summed (delft.distributed.all_reduce_grads / global_sums)
+        # ranks' gradients and Sums are summed (delft.training.distributed.all_reduce_grads / global_sums)
         counts = sum((loss.count(lab) for shard in shards for _, lab in shard), Counts(0, 0))
         device_grads, total = [], Sums(0.0, 0.0, Counts(0, 0))
         for shard in shards:

@@ -6,18 +6,18 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-from delft.numbers.digits import DigitVocab
-from delft.errors import UserError
-from delft.losses.types import LOSS_TYPES
-from delft.losses.modules import DigitEntropyLoss, Dist2Loss, NumberTokenLoss, full_logits_loss, term_mean
-from delft.losses.loss import Loss
-from delft.losses.terms import del_term
-from delft.losses.heads import resolve_fused
-from delft.recipe import LossConfig
 from helpers import count_items, digit_targets
 from tiny import build_model, build_tokenizer
+from torch import nn
+
+from delft.errors import UserError
+from delft.losses.heads import resolve_fused
+from delft.losses.loss import Loss
+from delft.losses.modules import DigitEntropyLoss, Dist2Loss, NumberTokenLoss, full_logits_loss, term_mean
+from delft.losses.registry import LOSS_TYPES
+from delft.losses.terms import del_term
+from delft.numbers.digits import DigitVocab
+from delft.recipe import LossConfig
 
 LN2 = math.log(2)
 TYPES = [name for name, t in LOSS_TYPES.items() if t.has_term]  # every registered digit term
@@ -367,7 +367,7 @@ def test_combine_is_ce_per_label_plus_lambda_term_per_digit(vocab):
 
 
 def test_every_loss_type_has_a_term_and_a_recipe_value():
-    from delft.losses.types import LOSS_TYPES
+    from delft.losses.registry import LOSS_TYPES
     from delft.losses.terms import TERMS
 
     assert set(TERMS) == {n for n, t in LOSS_TYPES.items() if t.has_term}

@@ -7,16 +7,16 @@ import json
 
 import pytest
 import torch
+from helpers import digit_targets
 from rich.console import Console
+from tiny import build_model, build_tokenizer
 from torch import nn
 
-from delft.losses.terms import TERMS, del_term
-from delft.losses.loss import Loss
 from delft.losses.heads import digit_logits
+from delft.losses.loss import Loss
 from delft.losses.modules import full_logits_loss
-from helpers import digit_targets
+from delft.losses.terms import TERMS, del_term
 from delft.numbers.tokens import CharTable, NumberVocab, count_digit_chars
-from tiny import build_model, build_tokenizer
 
 TEXTS = ["1234567.89", "x 45", "none", "3.14159", "12 + 7", "0.5", "99999", "a 1.2.3"]
 PARAMS = {"dist2": {"tau": 0.5}}
@@ -161,11 +161,12 @@ def test_fused_ce_beside_the_per_character_term():
 
 
 def test_train_setup_accepts_number_tokens_and_refuses_glued_digits(tmp_path, llama3_model_dir):
+    from helpers import recipe_file
+    from tiny import save_tiny
+
     from delft.errors import UserError
     from delft.recipe import load_recipe
     from delft.training.setup import setup
-    from helpers import recipe_file
-    from tiny import save_tiny
 
     s = setup(load_recipe(recipe_file(tmp_path, llama3_model_dir)))
     assert len(s.loss.numbers.ids) == 1110 and s.loss.numbers.max_len == 3
@@ -184,9 +185,10 @@ ANSWER = "12345.67"  # 123 | 45 | . | 67 on Llama-3
 @pytest.fixture(scope="module")
 def llama3_run(llama3_model_dir, tmp_path_factory):
     """A short `delft train` (DEL) of the tiny Llama-3-vocabulary model on answers that are one number."""
+    from helpers import recipe_file
+
     from delft.recipe import load_recipe
     from delft.training.trainer import run_training
-    from helpers import recipe_file
 
     tmp = tmp_path_factory.mktemp("llama3run")
     data = tmp / "numbers.jsonl"
@@ -255,9 +257,10 @@ def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
 
 
 def test_plan_counts_the_number_token_rows(tmp_path, llama3_model_dir):
-    from delft.training.plan import plan_memory, run_plan, with_number_tokens
-    from delft.recipe import load_recipe
     from helpers import recipe_file
+
+    from delft.recipe import load_recipe
+    from delft.training.plan import plan_memory, run_plan, with_number_tokens
 
     recipe = load_recipe(recipe_file(tmp_path, llama3_model_dir, data={"max_length": 256}))
     config = json.loads((llama3_model_dir / "config.json").read_text())

@@ -1,11 +1,23 @@
-"""Answer extraction, scoring and metrics (delft.answers): pure Python, no model."""
+"""Answer extraction, scoring and metrics (delft.numbers.answers): pure Python, no model."""
 
 from decimal import Decimal
 
 import pytest
 
-from delft.numbers.answers import PLAIN_STOP_STRINGS, Extraction, canonical, cut_at_stop, exact_match, extract_answer, parse_number, place_correct, score, signed_log, tolerance_match
 from delft.evaluation.metrics import bootstrap_ci, paired_difference, summarize
+from delft.numbers.answers import (
+    PLAIN_STOP_STRINGS,
+    Extraction,
+    canonical,
+    cut_at_stop,
+    exact_match,
+    extract_answer,
+    parse_number,
+    place_correct,
+    score,
+    signed_log,
+    tolerance_match,
+)
 
 D = Decimal
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-
-from delft.numbers.digits import DIGITS, DigitVocab, token_places
-from delft.errors import UserError
-from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 from tiny import build_model, build_tokenizer
+
+from delft.errors import UserError
+from delft.numbers.digits import DIGITS, DigitVocab, token_places
+from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 
 
 @pytest.fixture(scope="session")
@@ -258,10 +258,11 @@ def _labels(tokenizer, texts: list[str]) -> torch.Tensor:
 
 def _todays_terms_equal(tokenizer):
     """On a single-digit tokenizer, targets and DEL/NTL/DIST2 per character equal today's per-token ones."""
+    from helpers import count_items, digit_targets
+
     from delft.losses.heads import digit_logits
     from delft.losses.loss import Loss
     from delft.losses.terms import TERMS
-    from helpers import count_items, digit_targets
 
     vocab = NumberVocab.from_tokenizer(tokenizer)
     labels = _labels(tokenizer, ["x 12.5 and 3.14159", "7 + 1,234 = 99", "no digits"])
@@ -307,8 +308,8 @@ def test_llama3_targets_weigh_every_digit_character(llama3_tokenizer, llama3_voc
 
 def test_a_few_del_steps_on_the_llama3_vocabulary_lower_the_digit_term(llama3_tokenizer, llama3_vocab):
     """DEL per digit character, from the number-token rows only, trains a tiny random-init Llama-3 model."""
-    from delft.losses.terms import del_term
     from delft.losses.heads import digit_logits
+    from delft.losses.terms import del_term
 
     model = build_model(llama3_tokenizer, hidden=16, layers=1)
     ids = _labels(llama3_tokenizer, ["pay 1234567.89 now", "pi is 3.14159"]).clamp(min=0)
@@ -334,8 +335,8 @@ def test_a_few_del_steps_on_the_llama3_vocabulary_lower_the_digit_term(llama3_to
 
 def test_gradients_equal_for_8x1_4x2_2x4_micro_batches(llama3_tokenizer, llama3_vocab):
     """Per-micro-batch term sums over the batch-global N_digits (digit characters) give one gradient."""
-    from delft.losses.terms import del_term
     from delft.losses.heads import digit_logits
+    from delft.losses.terms import del_term
 
     model = build_model(llama3_tokenizer, hidden=16, layers=1)
     texts = ["1234567.89", "x 45", "none", "3.14159", "12 + 7", "0.5", "99999", "a 1.2.3"]

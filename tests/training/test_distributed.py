@@ -1,4 +1,4 @@
-"""Data-parallel training (delft.distributed): real torchrun subprocesses on the CPU (gloo), tiny models."""
+"""Data-parallel training (delft.training.distributed): real torchrun subprocesses on the CPU (gloo), tiny models."""
 
 import json
 import os
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import adapter_weights, recipe_file
 
 # The equivalence tolerance the README quotes: summing two ranks' gradients adds them in another order than
@@ -92,9 +91,9 @@ def test_nproc_is_stripped_before_relaunch():
 def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, tiny_model_dir, monkeypatch):
     from rich.console import Console
 
-    from delft.training.distributed import check_resume
     from delft.errors import UserError
     from delft.recipe import load_recipe
+    from delft.training.distributed import check_resume
 
     saved = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="a", train={"grad_accum": 2}))
     same_global = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="b", train={"grad_accum": 1}))
@@ -111,8 +110,8 @@ def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, ti
 def test_ranks_of_the_test_batch_hold_different_digit_counts(tmp_path, tiny_model_dir, monkeypatch):
     """The equivalence below is only a test of the count all-reduce if the ranks' shares differ in digits."""
     from delft.data import collate
-    from delft.training.distributed import micro_indices
     from delft.recipe import load_recipe
+    from delft.training.distributed import micro_indices
     from delft.training.schedule import make_schedule, micro_batch_items
     from delft.training.setup import setup
     from delft.training.step import targets
@@ -212,8 +211,8 @@ def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, tiny_mode
 def test_plan_per_gpu_adds_only_nccl_buffers_for_several_processes(tmp_path, tiny_model_dir):
     from rich.console import Console
 
-    from delft.training.plan import NCCL_BUFFERS, run_plan
     from delft.recipe import load_recipe
+    from delft.training.plan import NCCL_BUFFERS, run_plan
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir))
     console = Console(record=True, width=200)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import adapter_weights, recipe_file
 
 import delft.training.report as train_report
 import delft.training.step as train_step
@@ -18,7 +19,6 @@ from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import CHECKPOINTS, METRICS, RUN_INFO, checkpoints, latest_checkpoint, read_info
 from delft.training.trainer import run_training
-from helpers import adapter_weights, recipe_file
 
 
 def write(tmp_path: Path, text, name="r.yaml") -> Path:
@@ -95,7 +95,7 @@ def test_a_count_val_size_may_not_take_most_of_the_data(tmp_path, tiny_tokenizer
 
 
 def test_a_huge_line_is_cut_before_tokenizing_and_counted(tmp_path, tiny_tokenizer):
-    from delft.data import CHARS_PER_TOKEN_BUDGET, build_datasets, tokenize_example, Example
+    from delft.data import CHARS_PER_TOKEN_BUDGET, Example, build_datasets, tokenize_example
 
     cfg = data_cfg(tmp_path / "unused.jsonl", max_length=16)
     budget = 16 * CHARS_PER_TOKEN_BUDGET
@@ -352,8 +352,12 @@ def test_run_dir_under_a_file_and_a_corrupt_run_info(tmp_path, tiny_model_dir):
 
 
 def test_model_cache_conversion_keeps_a_copy_another_process_finished(tmp_path, monkeypatch):
-    from delft.models.sources import _publish, usable_cache_dir
+    from delft.models.sources import usable_cache_dir
+    from delft.outputs import publish
     from delft.rundir import MODEL_CONFIG
+
+    def _publish(tmp, target):  # as the model cache publishes a conversion
+        publish(tmp, target, shared=lambda p: (p / MODEL_CONFIG).is_file())
 
     target = tmp_path / "cache" / "m"
     for who in ("first", "second"):  # two processes converted at once; the first renamed its copy in

@@ -3,13 +3,13 @@
 import json
 
 import pytest
+from helpers import recipe_file
 from rich.console import Console
 
 from delft.errors import UserError
 from delft.evaluation.command import run_eval
 from delft.recipe import load_recipe
 from delft.training.trainer import run_training
-from helpers import recipe_file
 
 
 def test_accuracy_rows_at_their_steps_equal_eval(tmp_path, digit_model_path):

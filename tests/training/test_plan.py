@@ -1,4 +1,4 @@
-"""delft.plan: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
+"""delft.training.plan: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
 
 import json
 
@@ -8,8 +8,17 @@ from typer.testing import CliRunner
 
 from delft.cli import app
 from delft.errors import UserError
-from delft.training.plan import CALIBRATION, QWEN2, SMOLLM2_CONFIG, GiB, calibration_table, liger_calibration_table, parse_memory, plan_memory
 from delft.recipe import validate_recipe
+from delft.training.plan import (
+    CALIBRATION,
+    QWEN2,
+    SMOLLM2_CONFIG,
+    GiB,
+    calibration_table,
+    liger_calibration_table,
+    parse_memory,
+    plan_memory,
+)
 
 runner = CliRunner()
 
@@ -134,7 +143,7 @@ def test_plan_takes_the_fused_path_by_trainings_rule():
     """planned_fused is fused_applies on a CUDA machine; 'on' without liger-kernel is planned fused, with a warning."""
     import importlib.util
 
-    from delft.losses.types import fused_applies
+    from delft.losses.registry import fused_applies
     from delft.training.plan import planned_fused
 
     have = importlib.util.find_spec("liger_kernel") is not None

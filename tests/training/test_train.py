@@ -2,13 +2,13 @@ import json
 
 import pytest
 import torch
+from helpers import adapter_weights, recipe_file
 
 import delft.training.trainer as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import latest_checkpoint
 from delft.training.trainer import run_training
-from helpers import adapter_weights, recipe_file
 
 
 @pytest.mark.slow

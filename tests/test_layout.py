@@ -1,0 +1,141 @@
+"""The code's layout rules (docs/layout.md): imports run one way between floors, no import circle, no module uses
+another's private name, the schema and the CLI load no torch, and modules and functions stay short."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from helpers import REPO
+
+PACKAGE = REPO / "delft"
+# Floors, lowest first: a module may import from its own floor or below, never from above.
+FLOORS = [
+    ("delft", "delft.errors"),
+    ("delft.rundir", "delft.outputs"),
+    ("delft.numbers",),
+    ("delft.losses",),
+    ("delft.recipe", "delft.data"),
+    ("delft.models",),
+    ("delft.evaluation",),
+    ("delft.training",),
+    ("delft.inspection", "delft.export"),
+    ("delft.experiments",),
+    ("delft.cli", "delft.__main__"),
+]
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 700, 60
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), filename=str(path))
+    return out
+
+
+def floor(module: str) -> int:
+    best = None
+    for i, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} is on no floor: add it to FLOORS and docs/layout.md"
+    return best[0]
+
+
+def imports(tree: ast.Module, known: set[str]) -> list[tuple[str, list[str], int]]:
+    """(imported delft module, names taken from it, line) for every import, function-level ones included."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "delft":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in known:  # `from delft import rundir`: the module itself
+                    out.append((sub, [], node.lineno))
+                else:
+                    out.append((node.module, [alias.name], node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "delft"]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: {target for target, _, _ in imports(t, set(mods)) if target != m} for m, t in mods.items()}
+
+
+def test_every_import_runs_down_the_floors():
+    mods = modules()
+    upward = [f"{m}:{line} imports {target} (floor {floor(target)} > {floor(m)})"
+              for m, tree in mods.items() for target, _, line in imports(tree, set(mods))
+              if target in mods and floor(target) > floor(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_import_graph_has_no_circle():
+    g = graph()
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(m: str, path: list[str]) -> bool:
+        state[m] = 1
+        for n in sorted(g.get(m, ())):
+            if n not in g or n == "delft":
+                continue
+            if state.get(n) == 1:
+                cycle.extend(path[path.index(n):] + [n] if n in path else [m, n])
+                return True
+            if state.get(n) is None and visit(n, path + [n]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in sorted(g):
+        if state.get(m) is None and visit(m, [m]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_module_imports_another_modules_private_name():
+    mods = modules()
+    private = [f"{m}:{line} takes {', '.join(n for n in names if n.startswith('_'))} from {target}"
+               for m, tree in mods.items() for target, names, line in imports(tree, set(mods))
+               if target != m and any(n.startswith("_") and not n.startswith("__") for n in names)]
+    assert not private, "\n".join(private)
+
+
+def test_the_schema_and_the_cli_load_no_torch():
+    code = ("import sys, delft.cli, delft.recipe, delft.losses.registry, delft.numbers.digits; "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_modules_and_functions_are_short():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        n = len(text.splitlines())
+        if n > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(REPO)}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert not long, "\n".join(long)
+
+
+def test_every_package_says_what_it_is():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 80, f"{init.relative_to(REPO)} needs a one-paragraph docstring"
+
+
+def test_no_module_shadows_the_standard_library():
+    stdlib = set(sys.stdlib_module_names)
+    clash = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.stem in stdlib and p.stem != "__init__"]
+    assert not clash, clash
