@@ -10,14 +10,16 @@ import shutil
 import subprocess
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import yaml
 from torch import Tensor
 
-from delft.numbers.digits import DigitVocab, place_weight
+from delft.errors import UserError
+from delft.numbers.digits import DIGITS, place_weight, run_places
 from delft.numbers.tokens import IGNORE
 
 # Small slices of the real benchmark files (GSM8K test split, SVAMP), same formats, so the tests need no
@@ -130,7 +132,7 @@ class DigitTargets(NamedTuple):
     weights: Tensor  # [N] float32, DEL place weight
 
 
-def digit_targets(labels: Tensor, vocab: DigitVocab, weigh: Callable[[int], float] = place_weight) -> DigitTargets:
+def digit_targets(labels: Tensor, vocab: "OracleDigits", weigh: Callable[[int], float] = place_weight) -> DigitTargets:
     """Digit positions, their values and DEL place weights (``weigh(place)``); runs are found per sequence."""
     rows = labels.tolist()
     mask = [[False] * labels.shape[-1] for _ in rows]
@@ -149,7 +151,7 @@ def digit_targets(labels: Tensor, vocab: DigitVocab, weigh: Callable[[int], floa
                         torch.tensor(weights, dtype=torch.float32, device=dev))
 
 
-def count_items(labels: Tensor, vocab: Optional[DigitVocab]) -> tuple[int, int]:
+def count_items(labels: Tensor, vocab: Optional["OracleDigits"]) -> tuple[int, int]:
     """(labelled positions, digit-labelled positions): the trainer's denominators for a whole optimizer batch.
 
     Every digit label gets a place in digits.py, so counting digit ids equals len(digit_targets(...).targets).
@@ -160,3 +162,61 @@ def count_items(labels: Tensor, vocab: Optional[DigitVocab]) -> tuple[int, int]:
         return n_labels, 0
     ids = torch.tensor(vocab.digit_ids, device=labels.device)
     return n_labels, int(torch.isin(labels, ids).sum())
+
+
+@dataclass(frozen=True)
+class OracleDigits:
+    """The test oracle's single-digit vocabulary, probed independently of delft.numbers.tokens.NumberVocab:
+    token ids of '0'..'9' (in order) and of '.', found in a tokenizer."""
+
+    digit_ids: tuple[int, ...]
+    dot_id: Optional[int]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "OracleDigits":
+        """Find the single-token digits; refuse tokenizers that chunk numbers (Llama-3, GPT-4 style)."""
+        name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+        ids = []
+        for d in DIGITS:
+            enc = tokenizer.encode(d, add_special_tokens=False)
+            toks = [t for t in enc if tokenizer.decode([t]).strip() != ""]
+            if len(toks) != 1 or tokenizer.decode(toks).strip() != d:
+                raise UserError(
+                    f"tokenizer {name!r} does not encode the digit {d!r} as one token (got {enc}), so {purpose} "
+                    "is undefined for it", fix="Use a model whose tokenizer splits numbers into single digits "
+                    "(Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
+            ids.append(toks[0])
+        chunked = tokenizer.encode("1234567890", add_special_tokens=False)
+        chunked = [t for t in chunked if tokenizer.decode([t]).strip() != ""]
+        if chunked != [ids[int(c)] for c in "1234567890"]:
+            raise UserError(
+                f"tokenizer {name!r} merges digits into multi-digit tokens ('1234567890' -> {len(chunked)} tokens, "
+                f"not 10), so {purpose} is undefined for it", fix="Use a model whose tokenizer splits numbers "
+                "into single digits (Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
+        dot = [t for t in tokenizer.encode(".", add_special_tokens=False) if tokenizer.decode([t]) != ""]
+        dot_id = dot[0] if len(dot) == 1 and tokenizer.decode(dot) == "." else None
+        return cls(tuple(ids), dot_id)
+
+    def char_of(self, token_id: int) -> Optional[str]:
+        if token_id in self._lookup:
+            return self._lookup[token_id]
+        return None
+
+    @property
+    def _lookup(self) -> dict[int, str]:
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = {t: d for d, t in zip(DIGITS, self.digit_ids)}
+            if self.dot_id is not None:
+                table[self.dot_id] = "."
+            object.__setattr__(self, "_table", table)
+        return table
+
+    def places(self, token_ids: Sequence[int]) -> list[Optional[int]]:
+        """Places of a token sequence; ignored labels (-100) and other tokens end runs."""
+        return run_places([self.char_of(int(t)) for t in token_ids])
+
+
+def oracle_digits(numbers) -> OracleDigits:
+    """The oracle's vocabulary with the digit ids of a (single-digit) delft NumberVocab."""
+    return OracleDigits(tuple(numbers.digit_ids), numbers.dot_id)

@@ -195,9 +195,9 @@ def test_all_masked_dataset_is_refused(tmp_path, tiny_tokenizer):
 
 
 def test_counts_and_split(tiny_tokenizer):
-    from delft.numbers.digits import DigitVocab
+    from delft.numbers.tokens import NumberVocab
 
-    vocab = DigitVocab.from_tokenizer(tiny_tokenizer)
+    vocab = NumberVocab.from_tokenizer(tiny_tokenizer)
     train, val, stats = build_datasets(cfg(synthetic=SyntheticConfig(n=40), val_size=0.25), tiny_tokenizer, 0,
                                        set(vocab.digit_ids))
     assert (stats.train, stats.val) == (30, 10)

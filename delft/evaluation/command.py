@@ -137,12 +137,13 @@ def column_names(runs: Sequence[str], include_base: bool) -> list[str]:
 
 
 def check_teacher_tokenizer(base: str) -> None:
-    """--teacher-forced needs single-token digits: say so before any model answers."""
+    """--teacher-forced needs number tokens (single digits or Llama-3's 1-3 digit tokens): say so before any
+    model answers."""
     from delft.models.loading import load_tokenizer
     from delft.models.sources import resolve_model
-    from delft.numbers.digits import DigitVocab
+    from delft.numbers.tokens import NumberVocab
 
-    DigitVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
+    NumberVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
 
 
 def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,

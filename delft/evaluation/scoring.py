@@ -36,20 +36,17 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
     completions, delft.evaluation.teacher_forced); the model is freed afterwards."""
     from delft.data import render_prompt, use_chat_template
     from delft.evaluation.generation import greedy, stop_strings
-    from delft.models.loading import free_memory, load_for_inference
+    from delft.models.loading import using_model
 
-    model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
-    try:
+    with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
+        tokenizer = lm.tokenizer
         chat = use_chat_template(tokenizer, data_cfg)
         stops = stop_strings(tokenizer, chat)
         prompts = [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
         advance = (lambda n: progress.advance(task, n)) if progress is not None else None
-        generations = greedy(model, tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
+        generations = greedy(lm.model, tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
                              recipe_cfg.eval.batch_size, on_batch=advance)
-        teacher = _teacher_forced(model, tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
-    finally:
-        del model
-        free_memory()
+        teacher = _teacher_forced(lm.model, tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
     generated = [g.text for g in generations]
     scored = [score(extract_answer(text, stops), p.gold) for text, p in zip(generated, problems)]
     return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored,
@@ -58,23 +55,19 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
 
 def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):
     from delft.evaluation.teacher_forced import teacher_forced
-    from delft.numbers.digits import DigitVocab
+    from delft.numbers.tokens import NumberVocab
 
-    vocab = DigitVocab.from_tokenizer(tokenizer, purpose="--teacher-forced")
+    vocab = NumberVocab.from_tokenizer(tokenizer, purpose="--teacher-forced")
     return teacher_forced(model, tokenizer, [p.example for p in problems], data_cfg, vocab,
                           recipe_cfg.eval.batch_size)
 
 
 def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg, recipe_cfg):
     """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it."""
-    from delft.models.loading import free_memory, load_for_inference
+    from delft.models.loading import using_model
 
-    model, tokenizer = load_for_inference(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype)
-    try:
-        return _teacher_forced(model, tokenizer, problems, data_cfg, recipe_cfg)
-    finally:
-        del model
-        free_memory()
+    with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
+        return _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg)
 
 
 def progress_bar(console: Console):

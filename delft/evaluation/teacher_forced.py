@@ -51,7 +51,8 @@ class TeacherForced:
 
 
 def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_size: int) -> TeacherForced:
-    """Score the gold completion of every example (prompt masked, as in training); ``vocab`` is a DigitVocab."""
+    """Score the gold completion of every example (prompt masked, as in training); ``vocab`` is the tokenizer's
+    NumberVocab (digit metrics per digit character, so number tokens of 1-3 digits work as single digits do)."""
     import torch
 
     from delft.data import collate, tokenize_example
@@ -72,7 +73,6 @@ def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
     """Positions of one right-padded batch: hidden states once, then only the rows each metric needs."""
     import torch
 
-    from delft.losses.heads import digit_logits
     from delft.models.loading import decoder_and_head
     from delft.numbers.tokens import IGNORE
 
@@ -80,23 +80,40 @@ def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
     hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      use_cache=False).last_hidden_state[:, :-1]
     targets = batch["labels"][:, 1:]
-    keep = targets != IGNORE
-    rows, cols = keep.nonzero(as_tuple=True)
+    rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
     places = [vocab.places(row) for row in targets.tolist()]
     h, gold = hidden[rows, cols], targets[rows, cols]
     ce, full_ok = _full_vocab(h, head, gold)
-    out = [Position(first + int(r), places[r][c], ce[k], full_ok[k])
-           for k, (r, c) in enumerate(zip(rows.tolist(), cols.tolist()))]
-    digit_at = [k for k, p in enumerate(out) if p.place is not None]
-    if digit_at:
-        index = torch.tensor(digit_at, device=h.device)
-        z = digit_logits(h.index_select(0, index), head, vocab.digit_ids).float()
-        gold_digit = torch.tensor([int(vocab.char_of(int(gold[k]))) for k in digit_at], device=z.device)
-        dce = (torch.logsumexp(z, -1) - z.gather(1, gold_digit[:, None])[:, 0]).tolist()
-        dok = (z.argmax(-1) == gold_digit).tolist()
-        for k, c, ok in zip(digit_at, dce, dok):
-            out[k].digit_ce, out[k].digit_ok = c, ok
+    out: list[Position] = []
+    number_rows, number_cols, slots = [], [], []  # rows of h with a number-token label, its column, out's slots
+    for k, (r, c) in enumerate(zip(rows.tolist(), cols.tolist())):
+        column = vocab.column_of(int(gold[k]))
+        if column is None:
+            out.append(Position(first + r, None, ce[k], full_ok[k]))
+            continue
+        number_rows.append(k)
+        number_cols.append(column)
+        for place in places[r][c]:  # one position per digit character of the token
+            slots.append(len(out))
+            out.append(Position(first + r, place, ce[k], full_ok[k]))
+    if number_rows:
+        _digit_scores(out, slots, h[number_rows], head, torch.tensor(number_cols, device=h.device), vocab)
     return out
+
+
+def _digit_scores(out: list, slots: list[int], h, head, gold_cols, vocab) -> None:
+    """Digit CE and argmax hit of every digit character, from the number-token rows of the output layer only."""
+    import torch
+
+    from delft.losses.heads import digit_logits
+    from delft.numbers.tokens import char_logits
+
+    chars = char_logits(digit_logits(h, head, vocab.ids), gold_cols, vocab.char_table(h.device))
+    z, gold_digit = chars.logits, chars.digit
+    dce = (torch.logsumexp(z, -1) - z.gather(1, gold_digit[:, None])[:, 0]).tolist()
+    dok = (z.argmax(-1) == gold_digit).tolist()
+    for slot, c, ok in zip(slots, dce, dok):
+        out[slot].digit_ce, out[slot].digit_ok = c, ok
 
 
 def _full_vocab(h, head, gold) -> tuple[list[float], list[bool]]:

@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from delft.errors import UserError, VerificationError
+from delft.models.loading import using_model
 from delft.outputs import staged, temporary_sibling, write_atomic
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
@@ -77,7 +78,8 @@ LORA_TYPE = "f16"  # the adapter and the base it is applied to
 #  q8_0 and below: quantisation error, larger with fewer bits, largest on small models (whose widths are often
 #    not multiples of the K-quants' 256-weight blocks, so llama.cpp keeps some tensors in other types).
 #  Every bound sits far below what a wrong tensor layout or a broken vocabulary gives (of
-#  order 1: unrelated logits of the same size give 2). The README lists the values measured on SmolLM2-135M.
+#  order 1: unrelated logits of the same size give 2). docs/export.md#export-to-gguf-llamacpp-ollama-lm-studio
+#  lists the values measured on SmolLM2-135M.
 TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-3, "q8_0": 5e-3, "q6_k": 0.02, "q5_k_m": 0.05, "q5_k_s": 0.05,
              "q5_1": 0.05, "q5_0": 0.05, "q4_k_m": 0.15, "q4_k_s": 0.15, "q4_1": 0.15, "q4_0": 0.15,
              "q3_k_l": 0.3, "q3_k_m": 0.3, "q3_k_s": 0.3, "q2_k": 0.5}
@@ -157,11 +159,11 @@ def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Opti
     quantised = [t for t in types if t in QUANTISER_TYPES]
     if quantised and not have_llama:
         raise UserError(f"{', '.join(quantised)} need llama.cpp's quantiser, from llama-cpp-python, which is not "
-                        "installed", "--gguf", f"{INSTALL_HINT} (builds llama.cpp, see the README), or use "
+                        "installed", "--gguf", f"{INSTALL_HINT} (builds llama.cpp, see docs/export.md), or use "
                         f"{', '.join(CONVERTER_TYPES)}.")
     if check and not have_llama:
         raise UserError("--gguf-check loads the files in llama.cpp, from llama-cpp-python, which is not installed",
-                        "--gguf-check", f"{INSTALL_HINT} (builds llama.cpp, see the README), or drop --gguf-check.")
+                        "--gguf-check", f"{INSTALL_HINT} (builds llama.cpp, see docs/export.md), or drop --gguf-check.")
     check_run_dir(Path(run_dir))  # the export's own refusals before the converter's download
     check_out(Path(out), force, {"run directory": Path(run_dir)})
     plan = GgufPlan(types=types, lora=lora, check=have_llama if check is None else check,
@@ -516,7 +518,7 @@ def compare(logits: list, reference: list) -> tuple[float, float, int]:
 
 def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, console: Console) -> None:
     """Fill in each file's figures: merged GGUFs against the merged directory, the LoRA against base + adapter."""
-    from delft.models.loading import load_for_inference, load_tokenizer
+    from delft.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(out))
     inputs = check_inputs(tokenizer)
@@ -525,10 +527,8 @@ def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, cons
         chosen = [f for f in files if f.kind == kind]
         if not chosen:
             continue
-        model, _ = load_for_inference(name, adapter=adapter, device="cpu", dtype="float32")
-        ref_logits, ref_greedy = reference_outputs(model, inputs)
-        del model
-        gc.collect()
+        with using_model(name, adapter=adapter, device="cpu", dtype="float32") as loaded:
+            ref_logits, ref_greedy = reference_outputs(loaded.model, inputs)
         for f in chosen:
             path, lora = (base_file, out / f.file) if kind == "lora" else (out / f.file, None)
             logits, greedy, f.tokens_match = llama_outputs(path, inputs, lora)

@@ -114,30 +114,27 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
                    result: Optional[InspectResult], first_vocab: Optional[dict]):
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
     from delft.data import Example, render_prompt, use_chat_template
-    from delft.models.loading import free_memory, load_for_inference
+    from delft.models.loading import using_model
 
-    lm, tok = load_for_inference(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype)
-    try:
+    with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
+        tok = loaded.tokenizer
         vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
         chat = use_chat_template(tok, cfg.data)
         prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
         own = None
         if result is None:
-            result, ids = _first_answer(lm, tok, vocab, spec, prompt, prompt_text, target_text, max_new_tokens,
-                                        chat, n_models)
+            result, ids = _first_answer(loaded.model, tok, vocab, spec, prompt, prompt_text, target_text,
+                                        max_new_tokens, chat, n_models)
         elif tok.get_vocab() == first_vocab:
             ids = list(result.models[0].answer_ids)
         else:
             ids = tok.encode(result.answer, add_special_tokens=False)
         if target_text is None and result.models:
-            own = greedy_answer(lm, tok, prompt_text, max_new_tokens, chat).answer
-        records = compute_records(lm, tok, prompt_text, ids, vocab)
+            own = greedy_answer(loaded.model, tok, prompt_text, max_new_tokens, chat).answer
+        records = compute_records(loaded.model, tok, prompt_text, ids, vocab)
         view = ModelView(spec.name, spec.base, spec.adapter, "chat" if chat else "plain", prompt_text, list(ids),
                          records, own)
         return result, view, tok.get_vocab()
-    finally:
-        del lm
-        free_memory()
 
 
 def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Optional[Path], console: Console) -> None:

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 from delft.data import prompt_ids
 from delft.errors import UserError
-from delft.numbers.digits import DIGITS, DigitVocab, number_runs, place_name, run_places
-from delft.numbers.tokens import NumberVocab, number_vocab
+from delft.numbers.digits import DIGITS, number_runs, place_name, run_places
+from delft.numbers.tokens import NumberVocab
 
 PURPOSE = "per-digit inspection"
 
@@ -83,10 +83,10 @@ def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) 
 
 
 def char_rows(token_ids: Sequence[int], texts: Sequence[str],
-              vocab: DigitVocab | NumberVocab) -> tuple[list[Optional[str]], list[str], list[int]]:
+              vocab: NumberVocab) -> tuple[list[Optional[str]], list[str], list[int]]:
     """(char, text, token index) per row: a number token gives one row per digit, any other token one row
     (its char '.' for the dot, else None); ``texts`` are the tokens decoded."""
-    numbers = number_vocab(vocab)
+    numbers = vocab
     chars: list[Optional[str]] = []
     row_texts: list[str] = []
     owners: list[int] = []
@@ -98,7 +98,7 @@ def char_rows(token_ids: Sequence[int], texts: Sequence[str],
     return chars, row_texts, owners
 
 
-def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: DigitVocab | NumberVocab):
+def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: NumberVocab):
     """(kind, number, place) per row (``char_rows``: per token, or per digit of a number token), places
     from delft.numbers.digits.run_places.
 
@@ -153,7 +153,7 @@ def _digit(char: Optional[str]) -> Optional[int]:
 
 
 def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int],
-                    vocab: Optional[DigitVocab | NumberVocab] = None) -> list[PositionRecord]:
+                    vocab: Optional[NumberVocab] = None) -> list[PositionRecord]:
     """One record per answer token (per digit of a multi-digit number token), from one teacher-forced pass
     over prompt + answer.
 
@@ -162,7 +162,7 @@ def compute_records(model, tokenizer, prompt_text: str, answer_ids: Sequence[int
     """
     import torch
 
-    numbers = number_vocab(vocab) or NumberVocab.from_tokenizer(tokenizer, PURPOSE)
+    numbers = vocab or NumberVocab.from_tokenizer(tokenizer, PURPOSE)
     answer_ids = [int(t) for t in answer_ids]
     if not answer_ids:
         return []

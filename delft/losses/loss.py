@@ -26,7 +26,7 @@ from delft.errors import UserError
 from delft.losses.heads import chunked_ce_sum, digit_logits, liger_ce_sum, plain_linear, resolve_fused
 from delft.losses.registry import CE, CHUNKED_CE, FUSED_CE, GLOBAL, LOSS_TYPES, NORMALISATIONS, REFERENCE, LossType
 from delft.losses.terms import TERMS, TermFn, compute_dtype
-from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS, DigitVocab, place_weight
+from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS, place_weight
 from delft.numbers.tokens import (
     IGNORE,
     CharTable,
@@ -34,7 +34,6 @@ from delft.numbers.tokens import (
     char_logits,
     count_digit_chars,
     number_targets,
-    number_vocab,
     offered,
 )
 
@@ -118,7 +117,7 @@ class Loss:
     choose the place weight (delft.numbers.digits.place_weight) that the DEL forms read.
     """
 
-    def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[DigitVocab | NumberVocab] = None, *,
+    def __init__(self, type: str = CE, weight: float = 0.0, vocab: Optional[NumberVocab] = None, *,
                  chunk_size: int = 1024, fused: bool = False, normalisation: str = GLOBAL, grad_accum: int = 1,
                  world_size: int = 1, place_weights: str = "reference",
                  place_weight_cap: float = DEFAULT_PLACE_WEIGHT_CAP, **params):
@@ -129,9 +128,9 @@ class Loss:
         if unknown:
             raise ValueError(f"loss type {type!r} takes no {', '.join(sorted(unknown))}")
         if self.kind.has_term and vocab is None:
-            raise ValueError(f"loss type {type!r} needs a DigitVocab or NumberVocab")
+            raise ValueError(f"loss type {type!r} needs a NumberVocab")
         self.type, self.weight, self.vocab, self.params = type, float(weight), vocab, params
-        self.numbers: Optional[NumberVocab] = number_vocab(vocab)
+        self.numbers: Optional[NumberVocab] = vocab
         self._tables: dict[str, CharTable] = {}
         self.chunk_size, self.fused = chunk_size, fused
         self.ran: set[str] = set()
@@ -141,7 +140,7 @@ class Loss:
         self.weigh = functools.partial(place_weight, mode=place_weights, cap=float(place_weight_cap))
 
     @classmethod
-    def from_config(cls, loss_cfg, vocab: Optional[DigitVocab | NumberVocab], chunk_size: int = 1024,
+    def from_config(cls, loss_cfg, vocab: Optional[NumberVocab], chunk_size: int = 1024,
                     fused: bool = False, grad_accum: int = 1, world_size: int = 1):
         """From a recipe.LossConfig; vocab may be None only for type 'ce'."""
         kind = LOSS_TYPES[loss_cfg.type]
@@ -155,7 +154,7 @@ class Loss:
                    **{p: getattr(loss_cfg, p) for p in kind.params})
 
     @classmethod
-    def from_recipe(cls, recipe, vocab: Optional[DigitVocab | NumberVocab], device, world_size: int = 1) -> "Loss":
+    def from_recipe(cls, recipe, vocab: Optional[NumberVocab], device, world_size: int = 1) -> "Loss":
         """The recipe's loss on ``device`` for a run on ``world_size`` processes (raises UserError for
         train.fused_loss 'on' where Liger cannot run)."""
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,

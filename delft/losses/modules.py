@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from delft.losses.loss import Loss, Sums
 from delft.losses.terms import compute_dtype
-from delft.numbers.digits import DigitVocab
 from delft.numbers.tokens import IGNORE, NumberVocab, number_targets
 
 
@@ -59,11 +58,11 @@ class _DigitLoss(nn.Module):
     character (delft.numbers.tokens); tokenizers that glue digits to other characters are refused with examples.
     """
 
-    def __init__(self, tokenizer, vocab: Optional[DigitVocab | NumberVocab], loss_type: str, **params):
+    def __init__(self, tokenizer, vocab: Optional[NumberVocab], loss_type: str, **params):
         super().__init__()
         if vocab is None:
             if tokenizer is None:
-                raise ValueError("pass a tokenizer or vocab=DigitVocab(...) / NumberVocab(...)")
+                raise ValueError("pass a tokenizer or vocab=NumberVocab(...)")
             vocab = NumberVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
         self.vocab = vocab
         self.loss = Loss(loss_type, 1.0, vocab, **params)
@@ -76,14 +75,14 @@ class _DigitLoss(nn.Module):
 class DigitEntropyLoss(_DigitLoss):
     """DEL term (without lambda): mean over digit positions x 10 candidates of w * p * BCE."""
 
-    def __init__(self, tokenizer=None, *, vocab: Optional[DigitVocab | NumberVocab] = None):
+    def __init__(self, tokenizer=None, *, vocab: Optional[NumberVocab] = None):
         super().__init__(tokenizer, vocab, "del")
 
 
 class NumberTokenLoss(_DigitLoss):
     """NTL term (without lambda): kind 'was' (Wasserstein) or 'mse', mean over digit-label positions."""
 
-    def __init__(self, tokenizer=None, kind: str = "was", *, vocab: Optional[DigitVocab | NumberVocab] = None):
+    def __init__(self, tokenizer=None, kind: str = "was", *, vocab: Optional[NumberVocab] = None):
         if kind not in ("was", "mse"):
             raise ValueError(f"kind must be 'was' or 'mse', not {kind!r}")
         super().__init__(tokenizer, vocab, f"ntl_{kind}")
@@ -92,5 +91,5 @@ class NumberTokenLoss(_DigitLoss):
 class Dist2Loss(_DigitLoss):
     """DIST2 term (without alpha): KL(q || p) with q_k proportional to exp(-(k - y)^2 / tau)."""
 
-    def __init__(self, tokenizer=None, tau: float = 1.0, *, vocab: Optional[DigitVocab | NumberVocab] = None):
+    def __init__(self, tokenizer=None, tau: float = 1.0, *, vocab: Optional[NumberVocab] = None):
         super().__init__(tokenizer, vocab, "dist2", tau=tau)

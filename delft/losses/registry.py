@@ -27,11 +27,10 @@ class LossType:
 CE = "ce"
 
 
-# Default lambdas multiply a mean over the whole optimizer batch (loss.normalisation: global), so they are
-# not the reference's lambda: see docs/losses.md ("Normalisation and lambda") for the reference's effective
-# weight (lambda x accumulation steps x GPUs). DEL's 0.03: at 0.3 it cost the quickstart-sized LoRA runs of
-# `delft compare` 5.5 points of exact match against CE, at 0.03 it is within noise of CE (README, "The losses";
-# results/quickstart_default/). The shift-invariant forms are not yet measured against CE.
+# Default lambdas multiply a mean over the whole optimizer batch (loss.normalisation: global), so they are not
+# the reference's lambda: docs/losses.md#normalisation-and-lambda gives the reference's effective weight (lambda x
+# accumulation steps x GPUs). Why DEL's default is small and the quickstart uses del_prob: the measured runs are in
+# docs/losses.md#the-default-weight-del-003 and docs/studies.md.
 LOSS_TYPES: dict[str, LossType] = {t.name: t for t in (
     LossType("del", 0.03, "Digit Entropy Loss (reference form): place-weighted mean_k p_k * BCE(z_k, 1[k = y]) "
              "on raw digit logits", place_weighted=True),

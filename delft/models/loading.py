@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 from delft.errors import UserError
 from delft.models.sources import ModelRef, resolve_model
@@ -203,6 +205,31 @@ def load_for_inference(base: Optional[str], adapter: Optional[str] = None, devic
                             "adapter", "Use the base model it was trained on.") from None
     model.config.use_cache = True
     return model.eval(), tokenizer
+
+
+@dataclass
+class Loaded:
+    """A model loaded for inference and its tokenizer; ``model`` is None once ``using_model`` has freed it."""
+
+    model: Any
+    tokenizer: Any
+
+
+@contextmanager
+def using_model(base: Optional[str], adapter: Optional[str] = None, device: str = "auto",
+                dtype: str = "auto") -> Iterator[Loaded]:
+    """Load a model (``load_for_inference``), hand it over, and free it when the block ends, whatever happens.
+
+    The block reaches the model only through the yielded ``Loaded``, whose reference is dropped on the way out,
+    so its memory is returned before the next model loads (eval, inspect and the GGUF check load several)."""
+    model, tokenizer = load_for_inference(base, adapter, device=device, dtype=dtype)
+    loaded = Loaded(model, tokenizer)
+    del model
+    try:
+        yield loaded
+    finally:
+        loaded.model = None
+        free_memory()
 
 
 def free_memory() -> None:

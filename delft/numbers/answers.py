@@ -1,6 +1,6 @@
 """Numeric answers: extraction from generated text, scoring against a gold number, and the eval metrics.
 
-No torch here (numpy for the bootstrap, math-verify only for LaTeX). The rules are documented in README.md ("Evaluating"); every rule here has a test in
+No torch here (numpy for the bootstrap, math-verify only for LaTeX). The rules are documented in docs/evaluation.md#evaluating-delft-eval; every rule here has a test in
 tests/test_answers.py.
 
 Extraction (:func:`extract_answer`) tries, in order, and the first rule that yields a number wins:

@@ -12,11 +12,8 @@ are properties of the characters, not of the tokens: ``token_places`` finds them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Optional, Sequence
-
-from delft.errors import UserError
 
 DIGITS = "0123456789"
 
@@ -139,54 +136,3 @@ def digits_by_place(value: Decimal | str | int | float) -> dict[int, str]:
     out.update({-(i + 1): c for i, c in enumerate(fraction)})
     return out
 
-
-@dataclass(frozen=True)
-class DigitVocab:
-    """Token ids of '0'..'9' (in order) and of '.', found in a tokenizer."""
-
-    digit_ids: tuple[int, ...]
-    dot_id: Optional[int]
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "DigitVocab":
-        """Find the single-token digits; refuse tokenizers that chunk numbers (Llama-3, GPT-4 style)."""
-        name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
-        ids = []
-        for d in DIGITS:
-            enc = tokenizer.encode(d, add_special_tokens=False)
-            toks = [t for t in enc if tokenizer.decode([t]).strip() != ""]
-            if len(toks) != 1 or tokenizer.decode(toks).strip() != d:
-                raise UserError(
-                    f"tokenizer {name!r} does not encode the digit {d!r} as one token (got {enc}), so {purpose} "
-                    "is undefined for it", fix="Use a model whose tokenizer splits numbers into single digits "
-                    "(Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
-            ids.append(toks[0])
-        chunked = tokenizer.encode("1234567890", add_special_tokens=False)
-        chunked = [t for t in chunked if tokenizer.decode([t]).strip() != ""]
-        if chunked != [ids[int(c)] for c in "1234567890"]:
-            raise UserError(
-                f"tokenizer {name!r} merges digits into multi-digit tokens ('1234567890' -> {len(chunked)} tokens, "
-                f"not 10), so {purpose} is undefined for it", fix="Use a model whose tokenizer splits numbers "
-                "into single digits (Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
-        dot = [t for t in tokenizer.encode(".", add_special_tokens=False) if tokenizer.decode([t]) != ""]
-        dot_id = dot[0] if len(dot) == 1 and tokenizer.decode(dot) == "." else None
-        return cls(tuple(ids), dot_id)
-
-    def char_of(self, token_id: int) -> Optional[str]:
-        if token_id in self._lookup:
-            return self._lookup[token_id]
-        return None
-
-    @property
-    def _lookup(self) -> dict[int, str]:
-        table = self.__dict__.get("_table")
-        if table is None:
-            table = {t: d for d, t in zip(DIGITS, self.digit_ids)}
-            if self.dot_id is not None:
-                table[self.dot_id] = "."
-            object.__setattr__(self, "_table", table)
-        return table
-
-    def places(self, token_ids: Sequence[int]) -> list[Optional[int]]:
-        """Places of a token sequence; ignored labels (-100) and other tokens end runs."""
-        return run_places([self.char_of(int(t)) for t in token_ids])

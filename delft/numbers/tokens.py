@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 from delft.errors import UserError
-from delft.numbers.digits import DIGITS, DigitVocab, place_weight, token_places
+from delft.numbers.digits import DIGITS, place_weight, token_places
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -158,11 +158,17 @@ class NumberVocab:
     def is_single_digit(self) -> bool:
         return self.texts == tuple(DIGITS)
 
-    def digit_vocab(self) -> DigitVocab:
-        """The ten digit ids as today's DigitVocab (single-digit tokenizers only)."""
-        if not self.is_single_digit:
-            raise ValueError("this tokenizer has multi-digit number tokens; use the per-character logits")
-        return DigitVocab(self.ids, self.dot_id)
+    @classmethod
+    def single_digits(cls, digit_ids: Sequence[int], dot_id: Optional[int] = None) -> "NumberVocab":
+        """The vocabulary of a single-digit tokenizer given its ten digit ids ('0'..'9', in order) and '.'."""
+        if len(digit_ids) != 10:
+            raise ValueError(f"give the ten ids of '0'..'9', not {len(digit_ids)}")
+        return cls(tuple(int(t) for t in digit_ids), tuple(DIGITS), dot_id)
+
+    @property
+    def digit_ids(self) -> tuple[int, ...]:
+        """The ids of the single-digit tokens '0'..'9' (every accepted tokenizer has all ten, first in ``ids``)."""
+        return self.ids[:10]
 
     @property
     def _column(self) -> dict[int, int]:
@@ -189,13 +195,6 @@ class NumberVocab:
 
     def char_table(self, device=None) -> "CharTable":
         return CharTable.build(self.texts, device)
-
-
-def number_vocab(vocab) -> Optional[NumberVocab]:
-    """The NumberVocab of a loss: a NumberVocab as it is, a DigitVocab as its ten single-digit number tokens."""
-    if vocab is None or isinstance(vocab, NumberVocab):
-        return vocab
-    return NumberVocab(tuple(vocab.digit_ids), tuple(DIGITS), vocab.dot_id)
 
 
 class CharLogits(NamedTuple):

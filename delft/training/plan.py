@@ -53,7 +53,7 @@ LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
 # fitted to docs/gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %; anything in
 # 0.55-0.65 stays within 7 %. Not the kernels' doing: counted on the CPU (bench/layer_memory.py) they change a
 # layer's recompute + backward by 1-2 %, and that count alone predicts these rows within 7 %. The gap to LAYER_FIT
-# is more likely the eager 7B x 4096 row it was fitted to (README, Performance).
+# is more likely the eager 7B x 4096 row it was fitted to (docs/performance.md#gpu-memory-delft-recipe-check-recipe---plan---gpu-memory-8gib).
 LIGER_LAYER_FIT = 0.6
 
 
@@ -504,7 +504,7 @@ def _print_table(console, recipe, s: dict, rows: list, est: dict, source: str) -
                   f"torch peak allocated {est['peak_allocated'] / GiB:.2f} GiB + slack + context")
     console.print(table)
     console.print(f"[dim]config: {source}. Upper bound on the data side: rows padded to data.max_length, every "
-                  f"position labelled. Calibrated on H200 measurements (README.md, Performance); a GPU plan even when "
+                  f"position labelled. Calibrated on H200 measurements (docs/performance.md); a GPU plan even when "
                   f"this machine has none.[/]", highlight=False)
     if s["experts"] > 1:
         console.print("[yellow]mixture-of-experts: expert weights counted, activations as if dense (rough).[/]")

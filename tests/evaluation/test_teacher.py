@@ -5,16 +5,14 @@ import math
 
 import pytest
 import torch
-from helpers import DATA
+from helpers import DATA, OracleDigits
 from rich.console import Console
 from tiny import save_tiny
-from typer.testing import CliRunner
 
 import delft.evaluation.teacher_forced as teacher_mod
-from delft.cli import app
 from delft.data import tokenize_example
 from delft.evaluation.command import run_eval
-from delft.numbers.digits import DigitVocab, place_name
+from delft.numbers.digits import place_name
 from delft.numbers.tokens import IGNORE
 from delft.recipe import DataConfig
 
@@ -24,7 +22,7 @@ GSM8K = DATA / "gsm8k_test.jsonl"
 
 def _brute_force(model, tokenizer, examples, data_cfg) -> dict:
     """Pooled teacher-forced metrics from the full [T, V] logits of one example at a time."""
-    vocab = DigitVocab.from_tokenizer(tokenizer)
+    vocab = OracleDigits.from_tokenizer(tokenizer)  # the tests' own single-digit probe, not delft's
     digit_ids = torch.tensor(vocab.digit_ids)
     per_place, text, digits = {}, [], []
     for ex in examples:
@@ -113,9 +111,57 @@ def test_long_numbers_reach_the_twentieth_place(tiny_model_dir, tmp_path):
     assert "10^19 (n=3)" in console.export_text()
 
 
-def test_teacher_forced_needs_single_digit_tokens(tmp_path):
+def _brute_force_chars(model, tokenizer, examples, data_cfg) -> dict:
+    """Teacher-forced digit metrics per digit character on a tokenizer with multi-digit number tokens, from full
+    logits: at character j of gold token g, digit d's logit is the logsumexp over the number tokens that share g's
+    first j characters and have d at j (an independent, loop-by-loop reading of the per-character rule)."""
+    texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    numbers = {i: t for i, t in texts.items() if t.isdigit() and tokenizer.encode(t, add_special_tokens=False) == [i]}
+    digits, text = [], []
+    for ex in examples:
+        tok = tokenize_example(ex, tokenizer, data_cfg)
+        with torch.no_grad():
+            logits = model(torch.tensor([tok.input_ids])).logits[0, :-1].float()
+        for t, y in enumerate(tok.labels[1:]):
+            if y == IGNORE:
+                continue
+            ce = float(torch.logsumexp(logits[t], 0) - logits[t, y])
+            if y not in numbers:
+                text.append(ce)
+                continue
+            g = numbers[y]
+            for j, gd in enumerate(g):
+                z = torch.stack([torch.logsumexp(torch.stack([logits[t, i] for i, s in numbers.items()
+                                                              if len(s) > j and s[:j] == g[:j] and s[j] == d]
+                                                             or [torch.tensor(float("-inf"))]), 0)
+                                 for d in "0123456789"])
+                k = int(gd)
+                digits.append((float(z.argmax() == k), float(logits[t].argmax() == y),
+                               float(torch.logsumexp(z, 0) - z[k])))
+    mean = lambda k: sum(r[k] for r in digits) / len(digits)  # noqa: E731
+    return {"digits": {m: mean(k) for k, m in enumerate(teacher_mod.DIGIT_METRICS)} | {"n": len(digits)},
+            "text": {"n": len(text), "ce": sum(text) / len(text)}}
+
+
+def test_teacher_forced_scores_every_digit_of_multi_digit_number_tokens(tmp_path):
+    """Llama-3-style tokenizers (numbers as tokens of up to 2 digits here): digit metrics per digit character,
+    equal to the brute-force per-character reading of the full logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from delft.data import load_examples
+
     chunked = save_tiny(tmp_path / "chunked", chunked_digits=True)
-    r = CliRunner().invoke(app, ["eval", "--model", str(chunked), "--data", "synthetic", "--limit", "2",
-                                 "--teacher-forced"])
-    assert r.exit_code == 2, r.output
-    assert "--teacher-forced" in r.output and "single digits" in r.output
+    out = tmp_path / "eval.json"
+    run_eval(model=str(chunked), data=str(GSM8K), data_format="gsm8k", limit=4, json_out=out,
+             overrides=FAST + ["data.max_length=300"], console=Console(width=200), teacher_forced=True)
+    got = json.loads(out.read_text())["models"][0]["teacher_forced"]
+    data_cfg = DataConfig(source=str(GSM8K), format="gsm8k", max_length=300)
+    tokenizer = AutoTokenizer.from_pretrained(chunked)
+    assert len(tokenizer.encode("1234", add_special_tokens=False)) == 2  # the numbers really are chunked
+    want = _brute_force_chars(AutoModelForCausalLM.from_pretrained(chunked).eval(), tokenizer,
+                              load_examples(data_cfg)[:4], data_cfg)
+    assert got["digits"]["n"] == want["digits"]["n"] > 0
+    _close(got["digits"], want["digits"])
+    _close({k: got["text"][k] for k in ("n", "ce")}, want["text"])
+
+

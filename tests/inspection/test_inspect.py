@@ -14,7 +14,8 @@ from delft.errors import UserError
 from delft.inspection.command import run_inspect
 from delft.inspection.records import check_target, compute_records, greedy_answer, label_positions, numbers_of
 from delft.inspection.render import fmt_argmax, fmt_entropy, fmt_pct, fmt_prob, fmt_token
-from delft.numbers.digits import DIGITS, DigitVocab
+from delft.numbers.digits import DIGITS
+from delft.numbers.tokens import NumberVocab
 
 PROMPT = "What is 5 + 7?"
 
@@ -36,7 +37,7 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    vocab = DigitVocab.from_tokenizer(tok)
+    vocab = NumberVocab.from_tokenizer(tok)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         w = model.lm_head.weight
@@ -69,7 +70,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 def reference(model, tokenizer, prompt_text: str, answer_ids: list[int]):
     """Independent numbers: one plain forward pass with full logits, softmaxes taken by hand."""
-    vocab = DigitVocab.from_tokenizer(tokenizer)
+    vocab = NumberVocab.from_tokenizer(tokenizer)
     p_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
     with torch.no_grad():
         logits = model(torch.tensor([p_ids + answer_ids])).logits[0].double()
@@ -161,7 +162,7 @@ def test_greedy_records_match_full_forward(digit_model_dir):
 
 
 def test_places_dots_and_separators(tiny_tokenizer):
-    vocab = DigitVocab.from_tokenizer(tiny_tokenizer)
+    vocab = NumberVocab.from_tokenizer(tiny_tokenizer)
 
     def label(text):
         ids = tiny_tokenizer.encode(text, add_special_tokens=False)

@@ -15,7 +15,7 @@ from tiny import build_model, build_tokenizer
 
 from delft.losses.heads import resolve_fused
 from delft.losses.loss import Loss
-from delft.numbers.digits import DigitVocab
+from delft.numbers.tokens import NumberVocab
 from delft.recipe import load_recipe
 from delft.training.trainer import run_training
 
@@ -50,7 +50,7 @@ def test_interpreter_is_what_runs_here():
 
 def test_fused_ce_and_digit_term_match_the_chunked_path():
     tok = build_tokenizer()
-    vocab = DigitVocab.from_tokenizer(tok)
+    vocab = NumberVocab.from_tokenizer(tok)
     torch.manual_seed(0)
     V, H = len(tok), 24
     head = torch.nn.Linear(H, V, bias=False)
@@ -78,7 +78,7 @@ def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arc
     from delft.training.step import forward_sums, targets
 
     tok = build_tokenizer()
-    vocab = DigitVocab.from_tokenizer(tok)
+    vocab = NumberVocab.from_tokenizer(tok)
     ids = torch.tensor([tok.encode("12+7=19 and 305"), tok.encode("x=3.25 ok! 4000")])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
              "position_ids": torch.tensor([list(range(6)) + list(range(9)), list(range(15))])}  # one packed row

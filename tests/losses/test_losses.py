@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import count_items, digit_targets
+from helpers import count_items, digit_targets, oracle_digits
 from tiny import build_model, build_tokenizer
 from torch import nn
 
@@ -16,7 +16,7 @@ from delft.losses.loss import Loss
 from delft.losses.modules import DigitEntropyLoss, Dist2Loss, NumberTokenLoss, full_logits_loss, term_mean
 from delft.losses.registry import LOSS_TYPES
 from delft.losses.terms import del_term
-from delft.numbers.digits import DigitVocab
+from delft.numbers.tokens import NumberVocab
 from delft.recipe import LossConfig
 
 LN2 = math.log(2)
@@ -43,7 +43,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def vocab(tok):
-    return DigitVocab.from_tokenizer(tok)
+    return NumberVocab.from_tokenizer(tok)
 
 
 def ids(tok, text: str) -> list[int]:
@@ -157,14 +157,14 @@ def test_ignored_label_splits_run_and_sequences_do_not_merge(tok, vocab):
     assert weights_via_loss(labels, vocab)[0] == pytest.approx([4, 2, 0, 4, 2], rel=1e-5, abs=1e-6)
     # flattened, "12" + "34" would be one run 8, 6, 4, 2
     assert sum(weights_via_loss(labels_of(tok, "12", "34"), vocab), []) == pytest.approx([4, 2, 4, 2], rel=1e-5)
-    dt = digit_targets(labels_of(tok, "x12.57"), vocab)
+    dt = digit_targets(labels_of(tok, "x12.57"), oracle_digits(vocab))
     assert dt.mask.tolist() == [[False, True, True, False, True, True]]
     assert dt.targets.tolist() == [1, 2, 5, 7]
 
 
 # ------------------------------------------------------------------ gradcheck (float64)
 
-SMALL = DigitVocab(digit_ids=tuple(range(3, 13)), dot_id=13)   # V = 16: digits 3..12, '.' 13
+SMALL = NumberVocab.single_digits(tuple(range(3, 13)), 13)   # V = 16: digits 3..12, '.' 13
 SMALL_LABELS = torch.tensor([[0, 3 + 4, 3 + 2, 13, 3 + 7, -100], [3 + 9, 1, -100, 3 + 0, 13, 2]])
 
 
@@ -265,7 +265,7 @@ def test_agrees_with_ntloss():
 
     tok2 = build_tokenizer()   # ntloss calls add_tokens (a no-op here): keep it off the shared fixture
     V = len(tok2)
-    vocab2 = DigitVocab.from_tokenizer(tok2)
+    vocab2 = NumberVocab.from_tokenizer(tok2)
     torch.manual_seed(2)
     logits = torch.randn(3, 9, V) * 2
     pool = torch.tensor(list(vocab2.digit_ids) + ids(tok2, "ab.x -") + [-100])
@@ -374,4 +374,4 @@ def test_every_loss_type_has_a_term_and_a_recipe_value():
     for name in LOSS_TYPES:
         assert LossConfig(type=name).weight == LOSS_TYPES[name].default_weight
     with pytest.raises(ValueError, match="takes no tau"):
-        Loss("del", 0.3, DigitVocab(tuple(range(10)), 10), tau=0.5)
+        Loss("del", 0.3, NumberVocab.single_digits(tuple(range(10)), 10), tau=0.5)

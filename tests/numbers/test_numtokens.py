@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+from helpers import OracleDigits
 from tiny import build_model, build_tokenizer
 
 from delft.errors import UserError
-from delft.numbers.digits import DIGITS, DigitVocab, token_places
+from delft.numbers.digits import DIGITS, token_places
 from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 
 
@@ -50,15 +51,18 @@ def test_llama3_has_1110_number_tokens_of_one_to_three_digits(llama3_tokenizer, 
     ids = llama3_tokenizer.encode("1234567.89", add_special_tokens=False)
     assert [llama3_vocab.text_of(t) for t in ids] == ["123", "456", "7", ".", "89"]
     assert llama3_vocab.places(ids) == [(7, 6, 5), (4, 3, 2), (1,), (None,), (-1, -2)]
+    assert [llama3_vocab.text_of(t) for t in llama3_vocab.digit_ids] == list(DIGITS)
     with pytest.raises(ValueError):
-        llama3_vocab.digit_vocab()
+        NumberVocab.single_digits(llama3_vocab.ids[:9])
 
 
 def test_single_digit_tokenizer_gives_todays_digit_ids():
     tok = build_tokenizer()
     vocab = NumberVocab.from_tokenizer(tok)
     assert vocab.is_single_digit and vocab.max_len == 1
-    assert vocab.digit_vocab() == DigitVocab.from_tokenizer(tok)
+    oracle = OracleDigits.from_tokenizer(tok)  # the independent single-digit probe of the test helpers
+    assert (vocab.digit_ids, vocab.dot_id) == (oracle.digit_ids, oracle.dot_id)
+    assert NumberVocab.single_digits(oracle.digit_ids, oracle.dot_id) == vocab
 
 
 def test_chunked_tiny_tokenizer_has_110_number_tokens():
@@ -125,7 +129,7 @@ def test_places_of_123_45_equal_places_of_single_digits(llama3_tokenizer, llama3
     ones = single.places(tok.encode("12345", add_special_tokens=False))
     assert [p for t in chunked for p in t] == [p for t in ones for p in t] == [5, 4, 3, 2, 1]
     ids = tok.encode("a 3.25 b 12", add_special_tokens=False)  # today's per-token places, one char each
-    assert [p[0] if p else None for p in single.places(ids)] == DigitVocab.from_tokenizer(tok).places(ids)
+    assert [p[0] if p else None for p in single.places(ids)] == OracleDigits.from_tokenizer(tok).places(ids)
 
 
 def test_places_follow_the_run_rules_across_tokens(llama3_vocab):
@@ -258,7 +262,7 @@ def _labels(tokenizer, texts: list[str]) -> torch.Tensor:
 
 def _todays_terms_equal(tokenizer):
     """On a single-digit tokenizer, targets and DEL/NTL/DIST2 per character equal today's per-token ones."""
-    from helpers import count_items, digit_targets
+    from helpers import count_items, digit_targets, oracle_digits
 
     from delft.losses.heads import digit_logits
     from delft.losses.loss import Loss
@@ -267,18 +271,18 @@ def _todays_terms_equal(tokenizer):
     vocab = NumberVocab.from_tokenizer(tokenizer)
     labels = _labels(tokenizer, ["x 12.5 and 3.14159", "7 + 1,234 = 99", "no digits"])
     labels[0, 3] = -100  # an ignored label ends a run
-    old = digit_targets(labels, vocab.digit_vocab())
+    old = digit_targets(labels, oracle_digits(vocab))
     new = number_targets(labels, vocab)
     assert torch.equal(new.mask, old.mask) and torch.equal(new.gold, old.targets)
     assert torch.equal(new.weights, old.weights)
-    assert count_digit_chars(labels, vocab) == count_items(labels, vocab.digit_vocab())[1] == len(new.gold)
+    assert count_digit_chars(labels, vocab) == count_items(labels, oracle_digits(vocab))[1] == len(new.gold)
     model = build_model(tokenizer, hidden=16, layers=1)
     hidden = model.model(labels.clamp(min=0)).last_hidden_state
     z = digit_logits(hidden[old.mask], model.lm_head, vocab.ids)
     chars = char_logits(z, new.gold, vocab.char_table())
     assert torch.equal(chars.logits, z) and torch.equal(chars.digit, old.targets)
     for kind in TERMS:
-        term = Loss(kind, 1.0, vocab.digit_vocab()).term
+        term = Loss(kind, 1.0, vocab).term
         assert torch.equal(term(chars.logits, chars.digit, new.weights), term(z, old.targets, old.weights))
 
 

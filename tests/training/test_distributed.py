@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import adapter_weights, recipe_file
 
-# The equivalence tolerance the README quotes: summing two ranks' gradients adds them in another order than
+# The equivalence tolerance docs/distributed.md#several-gpus quotes: summing two ranks' gradients adds them in another order than
 # one process accumulating them, so the adapters agree to float32 rounding, not bit for bit.
 RTOL, ATOL = 1e-5, 1e-6
 
