@@ -86,6 +86,31 @@ def is_merged_model(path: Path) -> bool:
     return path.is_dir() and (path / MODEL_CONFIG).is_file() and not (path / ADAPTER_CONFIG).is_file()
 
 
+def check_trained_dir(path: Path, where: str, merged: bool = True) -> str:
+    """Refuse, by name and before any model loads, what is not a trained model directory: a missing path, a file,
+    a directory with no adapter (nor, with ``merged``, a merged model), or one with a damaged weight file.
+    Returns "adapter" or "merged". The one check eval, inspect and export run on the directories they are given."""
+    path = Path(path)
+    what = "a run directory written by `delft train`" + (" or a merged model from `delft export`" if merged else "")
+    if not path.exists():
+        raise UserError(f"run directory {path} does not exist", where, f"Give {what}.")
+    if not path.is_dir():
+        raise UserError(f"{path} is a file, not a run directory", where, f"Give {what}.")
+    if has_adapter(path):
+        kind = "adapter"
+    elif merged and is_merged_model(path):
+        kind = "merged"
+    else:
+        status = read_info(path).get("status")
+        hint = (f" (its {RUN_INFO} says status {status!r}: finish or resume the training first)"
+                if status not in (None, COMPLETED) else "")
+        model = f" nor a merged model ({MODEL_CONFIG})" if merged else ""
+        raise UserError(f"{path} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]}){model}{hint}", where,
+                        f"Give {what}.")
+    check_model_files(path, where, "Restore the file, or train (or export) that run again.")
+    return kind
+
+
 def is_finished_run(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and has_adapter(path) and status(path) == COMPLETED

@@ -16,7 +16,11 @@ README_MAX_LINES = 260
 
 # Pages another change is writing right now: a link to one of these may dangle only while the file is absent
 # (once it exists, its links and anchors are checked like any other). Empty this set when they have landed.
-PENDING = {DOCS / "layout.md"}
+PENDING: set[Path] = set()
+# What code, recipes and CI cite: `docs/page.md#anchor`, `results/.../X.md#anchor`, `README.md#anchor`.
+CITATION = re.compile(r"(?<![\w/.])((?:docs|results)/[\w./-]+\.md|README\.md(?=#))(?:#([\w-]+))?")
+# The old way of citing, by README section title: it broke silently when a section moved.
+OLD_CITATION = re.compile(r"README(?:\.md)?[,]? \(?[\"'][A-Z]")
 
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^()\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -125,3 +129,36 @@ def test_every_docs_page_is_reachable_from_the_readme():
     missing = [str(p.relative_to(REPO)) for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
     assert not missing, f"not linked from README.md or docs/README.md: {missing}"
 
+
+def cited_files() -> list[Path]:
+    files = [*(REPO / "delft").rglob("*.py"), *(REPO / "recipes").rglob("*.yaml"), *(REPO / "bench").glob("*.py"),
+             *(REPO / "tests").rglob("*.py"), REPO / ".ci" / "run", REPO / "pyproject.toml"]
+    return sorted(f for f in files if f.is_file())
+
+
+def test_every_page_and_section_the_code_cites_exists():
+    broken, old = [], []
+    for f in cited_files():
+        if f.name == "test_docs.py":  # its own examples
+            continue
+        text = f.read_text(encoding="utf-8")
+        for n, line in enumerate(text.splitlines(), 1):
+            for file, anchor in CITATION.findall(line):
+                target = REPO / file
+                where = f"{f.relative_to(REPO)}:{n}"
+                if not target.is_file():
+                    broken.append(f"{where}: {file} does not exist")
+                elif anchor and anchor not in anchors(target):
+                    broken.append(f"{where}: {file} has no section #{anchor}")
+            if OLD_CITATION.search(line):
+                old.append(f"{f.relative_to(REPO)}:{n}: {line.strip()[:100]}")
+    assert not broken, "\n".join(broken)
+    assert not old, "cite a page and #anchor, not a README section title:\n" + "\n".join(old)
+
+
+def test_the_citation_scan_finds_what_it_should(tmp_path):
+    line = "see docs/losses.md#normalisation-and-lambda and results/study/arithmetic/REPORT.md; (README.md#install-and-run)"
+    assert CITATION.findall(line) == [("docs/losses.md", "normalisation-and-lambda"),
+                                      ("results/study/arithmetic/REPORT.md", ""), ("README.md", "install-and-run")]
+    assert CITATION.findall('(tmp / "README.md").write_text(card)') == []  # an export's own model card
+    assert OLD_CITATION.search('(README, "The losses")') and OLD_CITATION.search('README.md ("Evaluating")')

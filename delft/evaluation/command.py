@@ -18,6 +18,7 @@ from delft.evaluation.problems import Problem, describe_source, disjoint_from_tr
 from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
 from delft.evaluation.scoring import ModelResult, evaluate_models
 from delft.outputs import check_output_files, write_result
+from delft.rundir import check_trained_dir
 
 
 def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Optional[str], data: Optional[str],
@@ -94,28 +95,14 @@ def check_runs(runs: Sequence[str], base: str) -> None:
     """Fail before any generation: every run must exist and be an adapter or a merged model for ``base``."""
     from delft.models.sources import resolve_model
     from delft.rundir import (
-        ADAPTER_CONFIG,
-        MODEL_CONFIG,
         check_adapter_matches,
-        check_model_files,
-        is_merged_model,
         read_info,
     )
 
     base_config = None
     for run in runs:
         p = Path(run)
-        if not p.exists():
-            raise UserError(f"run directory {run} does not exist", "delft eval",
-                            "Give a directory written by `delft train` (or by `delft export`).")
-        if not p.is_dir():
-            raise UserError(f"{run} is a file, not a run directory", "delft eval",
-                            "Give a directory written by `delft train` (or by `delft export`).")
-        adapter = p.is_dir() and (p / ADAPTER_CONFIG).is_file()
-        if not adapter and not is_merged_model(p):
-            raise UserError(f"{run} holds neither an adapter ({ADAPTER_CONFIG}) nor a merged model ({MODEL_CONFIG})",
-                            "delft eval", "Give a run directory written by `delft train` or a merged model.")
-        check_model_files(p, "delft eval", "Restore the file, or train (or export) that run again.")
+        adapter = check_trained_dir(p, "delft eval") == "adapter"
         if adapter and read_info(p).get("architecture"):
             if base_config is None:
                 from transformers import AutoConfig

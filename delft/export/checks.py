@@ -12,7 +12,10 @@ from typing import Optional
 
 from delft.errors import UserError
 from delft.outputs import check_writable_dir, human_size
-from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, COMPLETED, RUN_INFO, check_model_files, has_adapter, read_info
+from delft.rundir import (
+    check_trained_dir,
+    read_info,
+)
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -33,20 +36,8 @@ def normalize_dtype(name: str) -> str:
 
 def check_run_dir(run_dir: Path) -> dict:
     """The run's delft_run.json (may be empty for adapters not written by delft); refuses dirs with no adapter."""
-    if not run_dir.exists():
-        raise UserError(f"run directory {run_dir} does not exist", "delft export",
-                        "Give the output.dir of a finished `delft train` run.")
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a directory", "delft export",
-                        "Give the output.dir of a finished `delft train` run.")
-    info = read_info(run_dir)
-    if not has_adapter(run_dir):
-        hint = (f" (its {RUN_INFO} says status {info.get('status')!r}: finish or resume the training first)"
-                if info.get("status") not in (None, COMPLETED) else "")
-        raise UserError(f"{run_dir} holds no adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS[0]}){hint}",
-                        "delft export", "Give the output.dir of a finished `delft train` run.")
-    check_model_files(run_dir, "delft export", "Restore the file, or train the run again.")
-    return info
+    check_trained_dir(run_dir, "delft export", merged=False)
+    return read_info(run_dir)
 
 
 def _within(child: Path, parent: Path) -> bool:

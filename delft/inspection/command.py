@@ -40,6 +40,7 @@ from delft.inspection.records import (
 from delft.inspection.render import render, to_json, write_plot
 from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
+from delft.rundir import check_trained_dir
 
 
 @dataclass
@@ -50,7 +51,7 @@ class _Spec:
 
 
 def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
-    from delft.rundir import base_model, check_model_files
+    from delft.rundir import base_model
 
     if not adapters:
         if base is None:
@@ -67,14 +68,7 @@ def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
                 raise UserError("'base' needs a base model", "delft inspect", "Pass --model NAME or a recipe.")
             specs.append(_Spec("base", b, None))
             continue
-        if Path(a).is_file():
-            raise UserError(f"{a} is a file, not a run directory", "delft inspect",
-                            "Give a directory written by `delft train` or `delft export`, or 'base'.")
-        if not Path(a).is_dir():
-            raise UserError(f"run directory {a} does not exist", "delft inspect",
-                            "Give a directory written by `delft train` (an adapter) or by `delft export` "
-                            "(a merged model), or 'base' for the base model.")
-        check_model_files(Path(a), "delft inspect", "Restore the file, or train (or export) that run again.")
+        check_trained_dir(Path(a), "delft inspect")  # 'base' (above) names the base model itself
         specs.append(_Spec(str(a) if names.count(n) > 1 or n == "base" else n, base, str(a)))
     return specs
 
