@@ -87,6 +87,17 @@ def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: in
     return run_dir
 
 
+def run_cli(*args, **invoke):
+    """``delft <args>`` in-process through typer's CliRunner (arguments str()-ed, so Paths may be passed); the
+    click Result: exit_code, output (stdout and stderr), exception. ``invoke`` goes to CliRunner.invoke
+    (``env``, ``input``, ``catch_exceptions``; its defaults otherwise, as every test used them)."""
+    from typer.testing import CliRunner
+
+    from delft.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], **invoke)
+
+
 @contextmanager
 def read_only_dir(path: Path):
     """``path`` (created) made unwritable for this process, root included: mode 0555, and ``chattr +i`` where root

@@ -14,19 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_only_dir, recipe_file
-from typer.testing import CliRunner
+from helpers import read_only_dir, recipe_file, run_cli
 
-from delft.cli import app
 from delft.errors import UserError
 from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_INFO
 
 FAST = ["--set", "eval.max_new_tokens=2", "--set", "eval.batch_size=2", "--set", "eval.bootstrap=10"]
 PROMPT = "What is 5 + 7?"
-
-
-def cli(args) -> "object":
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def refused(r, *words: str) -> None:
@@ -68,7 +62,7 @@ def test_eval_refuses_a_damaged_adapter_before_the_base_is_evaluated(damage, tin
                                                                      run_copy, tmp_path):
     DAMAGE[damage](run_copy)
     out = tmp_path / "eval.json"
-    r = cli(eval_args(tiny_model_dir, tiny_lora_run, run_copy, extra=["--json", out]))
+    r = run_cli(*eval_args(tiny_model_dir, tiny_lora_run, run_copy, extra=["--json", out]))
     name = ADAPTER_CONFIG if "config" in damage else ADAPTER_WEIGHTS[0]
     refused(r, str(run_copy / name), "damaged")
     assert "problems from" not in r.output  # no table: refused before the first model ran
@@ -77,10 +71,10 @@ def test_eval_refuses_a_damaged_adapter_before_the_base_is_evaluated(damage, tin
 
 def test_inspect_and_export_refuse_a_truncated_adapter(tiny_model_dir, run_copy, tmp_path):
     DAMAGE["truncated weights"](run_copy)
-    refused(cli(["inspect", "--adapter", run_copy, "--target", "12", PROMPT]), str(run_copy / ADAPTER_WEIGHTS[0]))
-    refused(cli(["inspect", "--compare", "base", run_copy, "--target", "12", PROMPT]), ADAPTER_WEIGHTS[0])
+    refused(run_cli("inspect", "--adapter", run_copy, "--target", "12", PROMPT), str(run_copy / ADAPTER_WEIGHTS[0]))
+    refused(run_cli("inspect", "--compare", "base", run_copy, "--target", "12", PROMPT), ADAPTER_WEIGHTS[0])
     out = tmp_path / "merged"
-    refused(cli(["export", run_copy, "--out", out]), str(run_copy / ADAPTER_WEIGHTS[0]), "damaged")
+    refused(run_cli("export", run_copy, "--out", out), str(run_copy / ADAPTER_WEIGHTS[0]), "damaged")
     assert not out.exists() and not list(tmp_path.glob(".merged*"))
 
 
@@ -88,8 +82,8 @@ def test_a_truncated_merged_model_is_refused_by_name(tiny_model_dir, tmp_path):
     merged = Path(shutil.copytree(tiny_model_dir, tmp_path / "merged"))
     weights = next(merged.glob("*.safetensors"))
     truncate(weights)
-    refused(cli(eval_args(tiny_model_dir, merged)), str(weights))
-    refused(cli(["inspect", "--model", merged, "--target", "12", PROMPT]), str(weights))
+    refused(run_cli(*eval_args(tiny_model_dir, merged)), str(weights))
+    refused(run_cli("inspect", "--model", merged, "--target", "12", PROMPT), str(weights))
 
 
 @pytest.mark.parametrize("command", ["eval", "inspect", "export", "compare"])
@@ -104,7 +98,7 @@ def test_a_corrupt_run_info_is_named_in_every_command(command, tiny_model_dir, r
             "inspect": ["inspect", "--adapter", run_copy, "--target", "12", PROMPT],
             "export": ["export", run_copy, "--out", tmp_path / "merged"],
             "compare": ["compare", tmp_path / "ce.yaml", tmp_path / "del.yaml", "--out", tmp_path / "res"]}[command]
-    refused(cli(args), str(info), "cannot be read")
+    refused(run_cli(*args), str(info), "cannot be read")
     if command == "compare":
         assert not (tmp_path / "del-seed0").exists() and de.is_file()  # refused before training anything
 
@@ -112,8 +106,8 @@ def test_a_corrupt_run_info_is_named_in_every_command(command, tiny_model_dir, r
 def test_eval_of_a_file_instead_of_a_run_directory(tiny_model_dir, tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("not a run")
-    refused(cli(eval_args(tiny_model_dir, f)), str(f), "is a file")
-    refused(cli(["inspect", "--adapter", f, "--target", "12", PROMPT]), str(f), "is a file")
+    refused(run_cli(*eval_args(tiny_model_dir, f)), str(f), "is a file")
+    refused(run_cli("inspect", "--adapter", f, "--target", "12", PROMPT), str(f), "is a file")
 
 
 # ------------------------------------------------------------------------------------------- outputs
@@ -124,22 +118,22 @@ def test_eval_json_and_plot_paths_are_checked_before_any_model_runs(tiny_model_d
     a_dir.mkdir()
     a_file = tmp_path / "file"
     a_file.write_text("keep me")
-    refused(cli(eval_args(tiny_model_dir, extra=["--json", a_dir])), str(a_dir), "is a directory", "--json")
-    refused(cli(eval_args(tiny_model_dir, extra=["--plot", a_file / "p.png"])), "is a file", "--plot")
+    refused(run_cli(*eval_args(tiny_model_dir, extra=["--json", a_dir])), str(a_dir), "is a directory", "--json")
+    refused(run_cli(*eval_args(tiny_model_dir, extra=["--plot", a_file / "p.png"])), "is a file", "--plot")
     same = tmp_path / "x.json"
-    refused(cli(eval_args(tiny_model_dir, extra=["--json", same, "--plot", same])), "same file")
+    refused(run_cli(*eval_args(tiny_model_dir, extra=["--json", same, "--plot", same])), "same file")
     assert a_file.read_text() == "keep me" and not same.exists() and list(a_dir.iterdir()) == []
     with read_only_dir(tmp_path / "locked") as locked:
-        r = cli(eval_args(tiny_model_dir, extra=["--json", locked / "sub" / "eval.json"]))
+        r = run_cli(*eval_args(tiny_model_dir, extra=["--json", locked / "sub" / "eval.json"]))
         refused(r, "cannot write in", str(locked))
         assert "problems from" not in r.output
 
 
 def test_inspect_json_and_plot_paths_are_checked_first(tiny_model_dir, tmp_path):
-    refused(cli(["inspect", "--model", tiny_model_dir, "--target", "12", "--plot", tmp_path, PROMPT]),
+    refused(run_cli("inspect", "--model", tiny_model_dir, "--target", "12", "--plot", tmp_path, PROMPT),
             "is a directory", "--plot")
     with read_only_dir(tmp_path / "locked") as locked:
-        refused(cli(["inspect", "--model", tiny_model_dir, "--target", "12", "--json", locked / "i.json", PROMPT]),
+        refused(run_cli("inspect", "--model", tiny_model_dir, "--target", "12", "--json", locked / "i.json", PROMPT),
                 "cannot write in", "--json")
 
 
@@ -154,7 +148,7 @@ def test_write_result_failure_is_one_paragraph_and_leaves_nothing(tmp_path):
 
 def test_inspect_refuses_a_target_in_other_digits(tiny_model_dir):
     for target in ("٤٢", "１２"):  # Arabic-Indic, full-width: \d matches them, the tokenizer does not
-        refused(cli(["inspect", "--model", tiny_model_dir, "--target", target, PROMPT]), "digits 0-9", "--target")
+        refused(run_cli("inspect", "--model", tiny_model_dir, "--target", target, PROMPT), "digits 0-9", "--target")
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -162,10 +156,10 @@ def test_inspect_refuses_a_target_in_other_digits(tiny_model_dir):
 
 def test_export_out_in_a_read_only_directory_is_refused_before_merging(tiny_lora_run, tmp_path):
     with read_only_dir(tmp_path / "locked") as locked:
-        refused(cli(["export", tiny_lora_run, "--out", locked / "merged"]), "cannot write in", str(locked), "--out")
+        refused(run_cli("export", tiny_lora_run, "--out", locked / "merged"), "cannot write in", str(locked), "--out")
     parent_file = tmp_path / "file"
     parent_file.write_text("keep me")
-    refused(cli(["export", tiny_lora_run, "--out", parent_file / "merged"]), "is a file", "--out")
+    refused(run_cli("export", tiny_lora_run, "--out", parent_file / "merged"), "is a file", "--out")
     assert parent_file.read_text() == "keep me"
 
 
@@ -173,7 +167,7 @@ def test_export_follows_the_umask(tiny_lora_run, tmp_path):
     out = tmp_path / "merged"
     old = os.umask(0o027)
     try:
-        r = cli(["export", tiny_lora_run, "--out", out, "--dtype", "float32"])
+        r = run_cli("export", tiny_lora_run, "--out", out, "--dtype", "float32")
     finally:
         os.umask(old)
     assert r.exit_code == 0, r.output
@@ -186,7 +180,7 @@ def test_export_refuses_an_out_another_export_is_writing(tiny_lora_run, tmp_path
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / f".merged.tmp-{other.pid}-abc").mkdir()  # what a running export keeps beside its --out
-        refused(cli(["export", tiny_lora_run, "--out", tmp_path / "merged"]), f"process {other.pid}", "--out")
+        refused(run_cli("export", tiny_lora_run, "--out", tmp_path / "merged"), f"process {other.pid}", "--out")
     finally:
         other.kill()
         other.wait()
@@ -212,9 +206,9 @@ def test_an_out_filled_meanwhile_is_kept_and_so_is_this_export(tmp_path):
 
 def test_compare_refuses_a_recipe_twice_or_alone(tiny_model_dir, tmp_path):
     ce = recipe_file(tmp_path, tiny_model_dir, name="ce", loss={"type": "ce"})
-    refused(cli(["compare", ce, ce, "--out", tmp_path / "res"]), "given twice")
-    refused(cli(["compare", ce, tmp_path / "." / "ce.yaml", "--out", tmp_path / "res"]), "given twice")
-    refused(cli(["compare", ce, "--out", tmp_path / "res"]), "at least two recipes")
+    refused(run_cli("compare", ce, ce, "--out", tmp_path / "res"), "given twice")
+    refused(run_cli("compare", ce, tmp_path / "." / "ce.yaml", "--out", tmp_path / "res"), "given twice")
+    refused(run_cli("compare", ce, "--out", tmp_path / "res"), "at least two recipes")
     assert not (tmp_path / "ce-seed0").exists() and not (tmp_path / "res").exists()  # nothing trained
 
 
@@ -223,9 +217,9 @@ def test_compare_out_is_checked_before_training(tiny_model_dir, tmp_path):
     de = recipe_file(tmp_path, tiny_model_dir, name="del", loss={"type": "del"})
     a_file = tmp_path / "results"
     a_file.write_text("keep me")
-    refused(cli(["compare", ce, de, "--out", a_file]), "is a file", "--out")
+    refused(run_cli("compare", ce, de, "--out", a_file), "is a file", "--out")
     with read_only_dir(tmp_path / "locked") as locked:
-        refused(cli(["compare", ce, de, "--out", locked / "res"]), "cannot write in", "--out")
+        refused(run_cli("compare", ce, de, "--out", locked / "res"), "cannot write in", "--out")
     assert a_file.read_text() == "keep me" and not (tmp_path / "ce-seed0").exists()
 
 
@@ -238,7 +232,7 @@ def test_eval_keeps_the_base_results_when_a_later_model_fails_to_load(tiny_model
     other = save_tiny(tmp_path / "wide", hidden=64)
     bare = lora_run(other, tmp_path / "bare", info=False)  # no run info: only loading finds the mismatch
     out = tmp_path / "eval.json"
-    r = cli(eval_args(tiny_model_dir, bare, extra=["--json", out]))
+    r = run_cli(*eval_args(tiny_model_dir, bare, extra=["--json", out]))
     refused(r, "does not fit", "evaluated before it (base)", str(out))
     report = json.loads(out.read_text())
     assert [m["name"] for m in report["models"]] == ["base"] and "does not fit" in report["incomplete"]
@@ -249,7 +243,7 @@ def test_recipe_check_plan_names_a_corrupt_config(tiny_model_dir, tmp_path):
     model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     (model / "config.json").write_bytes(b"\x80\x81 not json")
     recipe = recipe_file(tmp_path, model)
-    refused(cli(["recipe", "check", recipe, "--plan", "--gpu-memory", "8GiB"]), str(model / "config.json"), "damaged")
+    refused(run_cli("recipe", "check", recipe, "--plan", "--gpu-memory", "8GiB"), str(model / "config.json"), "damaged")
 
 
 def test_compare_report_skips_a_damaged_metrics_line(tmp_path):

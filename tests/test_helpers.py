@@ -40,3 +40,13 @@ def test_data_slices_are_in_the_real_formats():
     assert len(rows) == 6 and all(set(r) == {"question", "answer"} and "\n#### " in r["answer"] for r in rows)
     svamp = json.loads((DATA / "svamp.json").read_text())
     assert len(svamp) == 4 and {"Body", "Question", "Answer"} <= set(svamp[0])
+
+
+def test_run_cli_passes_paths_and_returns_the_result(tmp_path):
+    from helpers import run_cli, write_yaml
+
+    path = write_yaml(tmp_path / "r.yaml", {"output": {"dir": str(tmp_path / "run")}, "train": {"max_steps": 3}})
+    ok = run_cli("recipe", "check", path)  # a Path, str()-ed by the helper
+    assert ok.exit_code == 0 and "max_steps: 3" in ok.output, ok.output
+    missing = run_cli("recipe", "check", tmp_path / "missing.yaml")
+    assert missing.exit_code == 2 and "Traceback" not in missing.output and "error:" in missing.output

@@ -20,7 +20,7 @@ FLOORS = [
     ("delft.models",),
     ("delft.evaluation",),
     ("delft.training",),
-    ("delft.inspection", "delft.export"),
+    ("delft.inspection", "delft.export", "delft.integrations"),
     ("delft.experiments",),
     ("delft.cli", "delft.__main__"),
 ]

@@ -8,6 +8,7 @@ from importlib import import_module
 
 # public name -> the module that defines it (loaded on first access: the schema imports types without torch)
 _EXPORTS = {
+    "DigitLoss": "modules", "digit_term_sum": "modules",
     "DigitEntropyLoss": "modules", "NumberTokenLoss": "modules", "Dist2Loss": "modules",
     "full_logits_loss": "modules", "term_mean": "modules",
     "Loss": "loss", "Counts": "loss", "Sums": "loss",

@@ -215,10 +215,15 @@ class Loss:
             self.ran.add(path)
         if not self.has_term:
             return Sums(ce_sum, hidden.new_zeros((), dtype=torch.float32), Counts(int(t.numel()), 0))
+        term_sum, z, y = self.term_sums(hidden, lm_head, labels)
+        return self.micro_sums(ce_sum, term_sum, Counts(int(t.numel()), int(y.numel())), z, y)
+
+    def term_sums(self, hidden: Tensor, lm_head: nn.Module, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(the digit term summed over every digit character of ``labels``, their digit logits [C, 10], their gold
+        digits [C]), from the hidden states aligned with ``labels`` and the output layer's number-token rows only."""
         nt = number_targets(labels, self.numbers, self.weigh)
         z, y = self.digit_chars(digit_logits(hidden[nt.mask], lm_head, self.numbers.ids), nt.gold)
-        term_sum = self.term(z, y, nt.weights).sum()  # empty sum = 0, still in the graph
-        return self.micro_sums(ce_sum, term_sum, Counts(int(t.numel()), int(y.numel())), z, y)
+        return self.term(z, y, nt.weights).sum(), z, y  # an empty sum is 0, still in the graph
 
     def micro_sums(self, ce_sum: Tensor, term_sum: Tensor, counts: Counts, z: Tensor, y: Tensor) -> Sums:
         """One micro-batch's Sums from its CE and term sums and its per-character digit logits z [N, 10] (targets y)."""

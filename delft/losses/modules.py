@@ -1,5 +1,7 @@
-"""The full-logits path and the standalone ``nn.Module`` losses (``DigitEntropyLoss``, ``NumberTokenLoss``,
-``Dist2Loss``) for code that already has logits [B, T, V] aligned with its labels.
+"""delft's losses without delft's loop: ``digit_term_sum`` (the term's sum and count from hidden states and the
+output layer, for callers that normalise over their own global count and never build full logits), ``DigitLoss``
+(any registry type, CE included, as one ``nn.Module``), the full-logits path, and the single-term modules
+``DigitEntropyLoss``, ``NumberTokenLoss`` and ``Dist2Loss``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from delft.losses.loss import Loss, Sums
+from delft.losses.registry import LOSS_TYPES
 from delft.losses.terms import compute_dtype
 from delft.numbers.tokens import IGNORE, NumberVocab, number_targets
 
@@ -49,6 +52,53 @@ def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
         return loss.means(Sums(ce_sum, torch.zeros_like(ce_sum), counts), counts)
     term_sum, z, y = _term_sum(logits, labels, loss)
     return loss.means(loss.micro_sums(ce_sum, term_sum, counts, z, y), counts)
+
+
+def digit_term_sum(hidden: Tensor, lm_head: nn.Module, labels: Tensor, loss: Loss) -> tuple[Tensor, int]:
+    """(the digit term of ``loss`` summed over the digit characters of ``labels``, how many there are).
+
+    ``hidden`` [B, T, H] are the last hidden states (after the final norm) aligned with ``labels`` [B, T]
+    (hidden[:, t] predicts labels[:, t]); only the number-token rows of ``lm_head`` are used, never full logits.
+    Divide the sum by the count summed over the whole optimizer batch (every micro-batch, every rank) to get
+    delft's per-digit mean, independent of how the batch is split.
+    """
+    if not loss.has_term:
+        return hidden.new_zeros((), dtype=torch.float32), 0
+    total, _, y = loss.term_sums(hidden, lm_head, labels)
+    return total, int(y.numel())
+
+
+class DigitLoss(nn.Module):
+    """CE + weight x a digit term of any registry type (delft.losses.registry: del, del_prob, del_centered, ntl_was,
+    ntl_mse, dist2, or ce alone), normalised as delft trains: CE per label, the term per digit character.
+
+    ``DigitLoss(tokenizer, type="del_prob", weight=0.3, place_weights="capped", tau=...)``: the options are the
+    ``loss:`` recipe keys (normalisation, place_weights, place_weight_cap, and the type's own, like dist2's tau);
+    an unknown one is a ValueError naming it; ``weight`` defaults to the type's default. ``forward(logits, labels)`` takes full logits [B, T, V] aligned with labels
+    (the caller shifts); ``sums(hidden, lm_head, labels)`` works from hidden states without full logits, for
+    callers that add micro-batches up (``loss.means`` / ``loss.combine`` with the whole batch's ``loss.count``).
+    """
+
+    def __init__(self, tokenizer=None, type: str = "del_prob", weight: Optional[float] = None, *,
+                 vocab: Optional[NumberVocab] = None, chunk_size: int = 1024, **options):
+        super().__init__()
+        if type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss type {type!r}; choose one of {', '.join(LOSS_TYPES)}")
+        if vocab is None and LOSS_TYPES[type].has_term:
+            if tokenizer is None:
+                raise ValueError("pass a tokenizer or vocab=NumberVocab(...)")
+            vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"DigitLoss(type={type!r})")
+        self.vocab = vocab
+        weight = LOSS_TYPES[type].default_weight if weight is None else float(weight)
+        self.loss = Loss(type, weight, vocab, chunk_size=chunk_size, **options)  # unknown options: ValueError
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """logits [B, T, V] aligned with labels [B, T] -> CE mean + weight x term mean (fp32 scalar)."""
+        return full_logits_loss(logits, labels, self.loss)["loss"]
+
+    def sums(self, hidden: Tensor, lm_head: nn.Module, labels: Tensor) -> Sums:
+        """One micro-batch's CE and term sums with its counts, from hidden states aligned with ``labels``."""
+        return self.loss.sums(hidden, lm_head, labels)
 
 
 class _DigitLoss(nn.Module):

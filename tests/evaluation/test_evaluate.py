@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 from helpers import lora_run as _lora_run
+from helpers import run_cli
 from rich.console import Console
 from tiny import save_digit_model as _digit_model
-from typer.testing import CliRunner
 
-from delft.cli import app
 from delft.evaluation.command import run_eval
 
 FAST = ["eval.max_new_tokens=4", "eval.batch_size=2", "eval.bootstrap=50"]
@@ -92,21 +91,18 @@ def test_recipe_includes_finished_run_and_limit(digit_model, lora_run, tmp_path)
     assert [r.name for r in results] == ["lora"] and results[0].metrics["n"] == 3
 
 
-def _cli(args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 def test_cli_eval_set_without_answers(digit_model, tmp_path):
     data = tmp_path / "alpaca.jsonl"
     data.write_text('{"instruction": "Say hello", "output": "Hello there"}\n'
                     '{"instruction": "Name a colour", "output": "blue"}\n')
-    r = _cli(["eval", "--model", digit_model, "--data", data, "--format", "alpaca", *sum((["--set", s] for s in FAST), [])])
+    r = run_cli("eval", "--model", digit_model, "--data", data, "--format", "alpaca",
+                *sum((["--set", s] for s in FAST), []))
     assert r.exit_code == 2, r.output
     assert "no numeric answers" in r.output
 
 
 def test_cli_missing_adapter(digit_model, tmp_path):
-    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", tmp_path / "no-such-run"])
+    r = run_cli("eval", "--model", digit_model, "--data", "synthetic", tmp_path / "no-such-run")
     assert r.exit_code == 2, r.output
     assert "does not exist" in r.output
 
@@ -114,19 +110,19 @@ def test_cli_missing_adapter(digit_model, tmp_path):
 def test_cli_adapter_for_another_base(digit_model, tmp_path):
     other = _digit_model(tmp_path / "other", hidden=64)
     run = _lora_run(other, tmp_path / "other-run")
-    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", run])
+    r = run_cli("eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", run)
     assert r.exit_code == 2, r.output
     assert "trained on" in r.output
     bare = _lora_run(other, tmp_path / "bare-run", info=False)  # no delft_run.json: peft's own shape check
-    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", "--no-base", bare])
+    r = run_cli("eval", "--model", digit_model, "--data", "synthetic", "--limit", "2", "--no-base", bare)
     assert r.exit_code == 2, r.output
     assert "does not fit" in r.output
 
 
 def test_cli_needs_model_and_data_without_recipe(digit_model, tmp_path):
-    r = _cli(["eval", "--data", "synthetic"])
+    r = run_cli("eval", "--data", "synthetic")
     assert r.exit_code == 2 and "--model" in r.output
-    r = _cli(["eval", "--model", digit_model, "--data", tmp_path / "x.jsonl"])
+    r = run_cli("eval", "--model", digit_model, "--data", tmp_path / "x.jsonl")
     assert r.exit_code == 2 and "--format" in r.output
-    r = _cli(["eval", "--model", digit_model, "--data", "synthetic", "--no-base"])
+    r = run_cli("eval", "--model", digit_model, "--data", "synthetic", "--no-base")
     assert r.exit_code == 2 and "nothing to evaluate" in r.output

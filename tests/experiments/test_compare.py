@@ -3,11 +3,9 @@
 import json
 
 import pytest
-from helpers import REPO, write_yaml
+from helpers import REPO, run_cli, write_yaml
 from rich.console import Console
-from typer.testing import CliRunner
 
-from delft.cli import app
 from delft.errors import UserError
 from delft.experiments.compare import resolve_contenders, run_compare
 from delft.recipe import flat_keys
@@ -125,5 +123,5 @@ def test_cli_compare_refusal_exits_2(tmp_path, tiny_recipes):
     _, ce, _, _ = tiny_recipes
     other = write_yaml(tmp_path / "recipes" / "wide.yaml", {"base": "base.yaml", "loss": {"type": "del"},
                                                         "lora": {"r": 8}})
-    r = CliRunner().invoke(app, ["compare", str(ce), str(other), "--no-transfer", "--out", str(tmp_path / "o")])
+    r = run_cli("compare", str(ce), str(other), "--no-transfer", "--out", str(tmp_path / "o"))
     assert r.exit_code == 2 and "lora.r" in r.output and "Traceback" not in r.output

@@ -5,11 +5,9 @@ import json
 
 import pytest
 import yaml
-from helpers import DATA, REPO, write_yaml
+from helpers import DATA, REPO, run_cli, write_yaml
 from rich.console import Console
-from typer.testing import CliRunner
 
-from delft.cli import app
 from delft.errors import UserError
 from delft.evaluation.metrics import Z_LEVEL, Z_POWER, mdd
 from delft.experiments.study import _contenders, eval_data, load_study, run_study
@@ -158,7 +156,7 @@ def test_unknown_study_key_is_named(tmp_path, tiny_study):
     data = yaml.safe_load(tiny_study.read_text())
     data["evals"]["held_out"]["max_new_token"] = 3
     bad = write_yaml(tmp_path / "recipes" / "bad.study.yaml", data)
-    result = CliRunner().invoke(app, ["study", str(bad)])
+    result = run_cli("study", str(bad))
     assert result.exit_code == 2
     assert "evals.held_out.max_new_token" in result.output and "Traceback" not in result.output
 

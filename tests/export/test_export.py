@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
-from typer.testing import CliRunner
 
-from delft.cli import app
 from delft.errors import UserError
 from delft.export.merge import MARKER, _describe_merge, run_export
 from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
@@ -70,10 +69,6 @@ def reference(run_dir, tiny_model_dir):
     return plain, with_adapter
 
 
-def _cli(*args):
-    return CliRunner().invoke(app, ["export", *map(str, args)])
-
-
 def _tensors(directory: Path) -> dict:
     out = {}
     for f in sorted(directory.glob("*.safetensors")):
@@ -122,7 +117,7 @@ def test_fp32_export_equals_base_plus_adapter(run_dir, reference, tiny_model_dir
 
 def test_bf16_default_via_cli(run_dir, reference, tmp_path):
     out = tmp_path / "bf16"
-    res = _cli(run_dir, "--out", out)
+    res = run_cli("export", run_dir, "--out", out)
     assert res.exit_code == 0, res.output
     assert "max |Δlogit|" in res.output and "passed" in res.output
     tensors = _tensors(out)
@@ -168,7 +163,9 @@ def test_match_training_merges_into_nf4_roundtrip(run_dir, tiny_model_dir, tmp_p
 
 @pytest.mark.slow
 def test_nf4_dequantize_matches_bitsandbytes():
+    # a hard dependency (pyproject): a missing module or a moved reference decoder fails here, never skips silently
     import bitsandbytes.functional as bnbf
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
     torch.manual_seed(0)
     for shape in [(64, 128), (32, 32), (100, 48), (7, 33)]:
@@ -178,14 +175,8 @@ def test_nf4_dequantize_matches_bitsandbytes():
             ours = dequantize_nf4(packed, state)
             # reference: bitsandbytes' pure-torch decoder (its native CPU kernel is wrong when blocks cross rows)
             absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset if dq else state.absmax
-            try:
-                from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
-
-                ref = _dequantize_4bit_compute(packed.reshape(-1), absmax.float(), state.code, 64, shape,
-                                               torch.float32)
-                assert torch.equal(ours, ref), (shape, dq)
-            except ImportError:
-                pass
+            ref = _dequantize_4bit_compute(packed.reshape(-1), absmax.float(), state.code, 64, shape, torch.float32)
+            assert torch.equal(ours, ref), (shape, dq)
             if shape[-1] % 64 == 0:
                 assert torch.equal(ours, bnbf.dequantize_4bit(packed, state)), (shape, dq)
             assert (ours - w).abs().max() <= 0.2 * w.abs().max()  # half the widest nf4 gap is 0.14
@@ -205,7 +196,7 @@ def test_impossible_tolerance_fails_and_marks_output(run_dir, tmp_path):
     out = tmp_path / "failed"
     out.mkdir()
     (out / "old.txt").write_text("replaced by --force")
-    res = _cli(run_dir, "--out", out, "--tolerance", "0", "--force")
+    res = run_cli("export", run_dir, "--out", out, "--tolerance", "0", "--force")
     assert res.exit_code == 1, res.output
     assert "verification failed" in res.output and MARKER in res.output
     assert (out / MARKER).is_file() and (out / "config.json").is_file() and not (out / "old.txt").exists()
@@ -217,29 +208,29 @@ def test_refuses_existing_output(run_dir, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    res = _cli(run_dir, "--out", out)
+    res = run_cli("export", run_dir, "--out", out)
     assert res.exit_code == 2 and "--force" in res.output
     assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_refuses_output_that_would_delete_the_run(run_dir):
-    res = _cli(run_dir, "--out", run_dir.parent, "--force")
+    res = run_cli("export", run_dir, "--out", run_dir.parent, "--force")
     assert res.exit_code == 2 and "run directory" in res.output
     assert (run_dir / "adapter_config.json").is_file()
 
 
 def test_refuses_missing_run_and_missing_adapter(run_dir, tmp_path):
-    res = _cli(tmp_path / "nope", "--out", tmp_path / "o")
+    res = run_cli("export", tmp_path / "nope", "--out", tmp_path / "o")
     assert res.exit_code == 2 and "nope" in res.output and "does not exist" in res.output
     empty = tmp_path / "no_adapter"
     shutil.copytree(run_dir, empty, ignore=shutil.ignore_patterns("adapter_*"))
-    res = _cli(empty, "--out", tmp_path / "o")
+    res = run_cli("export", empty, "--out", tmp_path / "o")
     assert res.exit_code == 2 and "no_adapter" in res.output and "holds no adapter" in res.output
     assert not (tmp_path / "o").exists()
 
 
 def test_refuses_bad_dtype(run_dir, tmp_path):
-    res = _cli(run_dir, "--out", tmp_path / "o", "--dtype", "int8")
+    res = run_cli("export", run_dir, "--out", tmp_path / "o", "--dtype", "int8")
     assert res.exit_code == 2 and "bfloat16" in res.output
 
 
@@ -256,9 +247,9 @@ def _other_base_run(run_dir: Path, tmp_path: Path, keep_architecture: bool) -> P
 
 
 def test_refuses_adapter_of_another_base(run_dir, tmp_path):
-    res = _cli(_other_base_run(run_dir, tmp_path, True), "--out", tmp_path / "o")
+    res = run_cli("export", _other_base_run(run_dir, tmp_path, True), "--out", tmp_path / "o")
     assert res.exit_code == 2 and "hidden_size 32 vs 48" in res.output, res.output
-    res = _cli(_other_base_run(run_dir, tmp_path / "b", False), "--out", tmp_path / "o")
+    res = run_cli("export", _other_base_run(run_dir, tmp_path / "b", False), "--out", tmp_path / "o")
     assert res.exit_code == 2 and "does not fit" in res.output, res.output
     assert not (tmp_path / "o").exists()
 

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO
-from typer.testing import CliRunner
+from helpers import REPO, run_cli
 
-from delft.cli import app
 from delft.errors import UserError, VerificationError
 from delft.export.gguf import (
     CONVERTER_FILES,
@@ -38,10 +36,6 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 PROMPTS = ("Q: 45 + 38 =\nA:", "Seven times eight is")  # not among the export's own check prompts
-
-
-def _cli(*args):
-    return CliRunner().invoke(app, ["export", *map(str, args)])
 
 
 # ----------------------------------------------------------------------------- fast: the pieces
@@ -118,7 +112,7 @@ def test_prepare_refuses_before_any_download(tmp_path, monkeypatch):
         prepare_gguf(tmp_path, tmp_path / "o", [], lora=True, match_training=True)
     with pytest.raises(UserError, match="does not exist"):
         prepare_gguf(tmp_path / "no-run", tmp_path / "o", ["f16"])
-    res = _cli(tmp_path / "no-run", "--out", tmp_path / "o", "--gguf", "q7")
+    res = run_cli("export", tmp_path / "no-run", "--out", tmp_path / "o", "--gguf", "q7")
     assert res.exit_code == 2 and "unknown GGUF type" in res.output
 
 
@@ -143,8 +137,8 @@ def smol_export(smol_run, tmp_path_factory) -> tuple[Path, object]:
     parent, cwd = tmp_path_factory.mktemp("gguf-out"), os.getcwd()
     os.chdir(parent)  # a relative --out, as people type it
     try:
-        res = _cli(smol_run, "--out", "smol", "--gguf", "f16", "--gguf", "q8_0", "--gguf", "q4_k_m", "--gguf-lora",
-                   "--gguf-check")
+        res = run_cli("export", smol_run, "--out", "smol", "--gguf", "f16", "--gguf", "q8_0", "--gguf", "q4_k_m",
+                      "--gguf-lora", "--gguf-check")
     finally:
         os.chdir(cwd)
     return parent / "smol", res
@@ -235,7 +229,7 @@ def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_m
     get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(run)
     write_info(run, {"base_model": str(tiny_model_dir), "status": "completed"})
     # the tiny model's character-level tokenizer is no pre-tokenizer llama.cpp implements
-    res = _cli(run, "--out", tmp_path / "o", "--gguf", "f16")
+    res = run_cli("export", run, "--out", tmp_path / "o", "--gguf", "f16")
     assert res.exit_code == 2 and "does not recognise the tokenizer" in res.output, res.output
     assert not (tmp_path / "o").exists()
 

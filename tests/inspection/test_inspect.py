@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from helpers import run_cli
 from rich.console import Console
 
 import delft.inspection.command as inspect_command
@@ -357,17 +358,12 @@ def test_compare_greedy_uses_first_models_answer(digit_model_dir, adapter_dir, t
 
 
 def test_cli_target_json(tiny_model_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from delft.cli import app
-
     out = tmp_path / "cli.json"
-    res = CliRunner().invoke(app, ["inspect", "--model", str(tiny_model_dir), "--target", "12", "--json", str(out),
-                                   PROMPT])
+    res = run_cli("inspect", "--model", str(tiny_model_dir), "--target", "12", "--json", str(out), PROMPT)
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["target"] == "12" and len(data["models"][0]["numbers"][0]["positions"]) == 2
-    bad = CliRunner().invoke(app, ["inspect", "--model", str(tiny_model_dir), "--target", "twelve", PROMPT])
+    bad = run_cli("inspect", "--model", str(tiny_model_dir), "--target", "twelve", PROMPT)
     assert bad.exit_code == 2
 
 

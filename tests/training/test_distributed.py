@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file
+from helpers import adapter_weights, recipe_file, run_cli
 
 # The equivalence tolerance docs/distributed.md#several-gpus quotes: summing two ranks' gradients adds them in another order than
 # one process accumulating them, so the adapters agree to float32 rounding, not bit for bit.
@@ -226,11 +226,6 @@ def test_plan_per_gpu_adds_only_nccl_buffers_for_several_processes(tmp_path, tin
 
 
 def test_cli_plan_takes_a_world_size(tmp_path, tiny_model_dir):
-    from typer.testing import CliRunner
-
-    from delft.cli import app
-
-    r = CliRunner().invoke(app, ["recipe", "check", str(recipe_file(tmp_path, tiny_model_dir)), "--plan",
-                                 "--world-size", "4"])
+    r = run_cli("recipe", "check", str(recipe_file(tmp_path, tiny_model_dir)), "--plan", "--world-size", "4")
     assert r.exit_code == 0, r.output
     assert "per GPU of 4 processes" in r.output

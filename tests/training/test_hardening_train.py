@@ -3,6 +3,7 @@ recovery, never a traceback and never a lost or mixed-up run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file
+from helpers import adapter_weights, read_only_dir, recipe_file
 
 import delft.training.report as train_report
 import delft.training.step as train_step
@@ -315,16 +316,12 @@ def test_loss_curve_axis_is_not_set_by_the_first_points():
     assert train_report.loss_axis_limits([]) == (0.0, 1.0)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_output_dir_in_a_read_only_directory(tmp_path, tiny_model_dir):
-    locked = tmp_path / "ro"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        with pytest.raises(UserError, match="is not writable"):
+    # read_only_dir: mode 0555, and chattr +i as root, so the directory is unwritable for root too
+    with read_only_dir(tmp_path / "ro") as locked:
+        with pytest.raises(UserError, match=re.escape(f"{locked} is not writable, so the run cannot be saved")):
             run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir), [f"output.dir={locked}/run"]))
-    finally:
-        locked.chmod(0o755)
+        assert list(locked.iterdir()) == []
 
 
 def test_only_rank_zero_takes_the_lock(tmp_path, monkeypatch):

@@ -4,9 +4,8 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
+from helpers import run_cli
 
-from delft.cli import app
 from delft.errors import UserError
 from delft.recipe import validate_recipe
 from delft.training.plan import (
@@ -19,8 +18,6 @@ from delft.training.plan import (
     parse_memory,
     plan_memory,
 )
-
-runner = CliRunner()
 
 
 def recipe(**sections):
@@ -110,14 +107,13 @@ def write_recipe(tmp_path, model, **sections):
 
 
 def test_cli_plan_fits_tiny_model(tmp_path, tiny_model_dir):
-    r = runner.invoke(app, ["recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan",
-                            "--gpu-memory", "8GiB"])
+    r = run_cli("recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan", "--gpu-memory", "8GiB")
     assert r.exit_code == 0, r.output
     assert "Planned peak GPU memory" in r.output and "fits" in r.output and "does not fit" not in r.output
 
 
 def test_cli_plan_without_budget(tmp_path, tiny_model_dir):
-    r = runner.invoke(app, ["recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan"])
+    r = run_cli("recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan")
     assert r.exit_code == 0, r.output
     assert "total" in r.output and "--gpu-memory" in r.output
 
@@ -127,15 +123,14 @@ def test_cli_plan_1gib_does_not_fit_and_names_a_knob(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     path = write_recipe(tmp_path, model, data={"max_length": 512}, train={"batch_size": 32})
-    r = runner.invoke(app, ["recipe", "check", str(path), "--plan", "--gpu-memory", "1GiB"])
+    r = run_cli("recipe", "check", str(path), "--plan", "--gpu-memory", "1GiB")
     assert r.exit_code == 0, r.output
     assert "does not fit" in r.output
     assert any(k in r.output for k in ("train.batch_size", "data.max_length", "train.loss_chunk_size", "lora.r"))
 
 
 def test_cli_plan_bad_budget_is_a_user_error(tmp_path, tiny_model_dir):
-    r = runner.invoke(app, ["recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan",
-                            "--gpu-memory", "plenty"])
+    r = run_cli("recipe", "check", str(write_recipe(tmp_path, tiny_model_dir)), "--plan", "--gpu-memory", "plenty")
     assert r.exit_code == 2 and "Traceback" not in r.output
 
 

@@ -6,6 +6,7 @@ from helpers import adapter_weights, recipe_file
 
 import delft.training.trainer as train_mod
 from delft.errors import UserError
+from delft.losses.registry import LOSS_TYPES
 from delft.recipe import load_recipe
 from delft.rundir import latest_checkpoint
 from delft.training.trainer import run_training
@@ -117,13 +118,14 @@ def test_resume_flag_without_checkpoint(tmp_path, tiny_model_dir):
         run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir)), resume=True)
 
 
-@pytest.mark.parametrize("loss", ["ce", "ntl_was", "ntl_mse", "dist2"])
+@pytest.mark.parametrize("loss", sorted(LOSS_TYPES))  # every registered type, so a new one is covered too
 def test_every_loss_type_trains(tmp_path, tiny_model_dir, loss):
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, loss={"type": loss},
                                                train={"max_steps": 2})))
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    assert (rows[-1]["term"] == 0) == (loss == "ce")
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
+    assert (rows[-1]["term"] == 0) == (loss == "ce")  # a digit term was computed for every type but ce
 
 
 def test_packing_and_accumulation_train(tmp_path, tiny_model_dir):
