@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from delft.errors import UserError, VerificationError
 
@@ -55,7 +56,8 @@ def friendly(fn):
             if DEBUG:
                 raise
             label = "error" if isinstance(e, UserError) else "verification failed"
-            err_console.print(f"[bold red]{label}:[/] {e}", highlight=False, soft_wrap=True)
+            # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
+            err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             if DEBUG:

@@ -85,3 +85,22 @@ def test_train_via_cli_then_refuses_overwrite(tmp_path, tiny_model_dir):
     assert "trainable labels" in first.output and "digit labels" in first.output
     again = run_cli("train", r)
     assert again.exit_code == 2 and "--force" in again.output
+
+
+def test_a_refusal_keeps_its_brackets_through_rich(capsys):
+    """An install hint like pip install -e ".[gguf]" must print whole, not as rich markup (which ate "[gguf]")."""
+    import typer
+
+    from delft.cli import friendly
+    from delft.errors import UserError
+
+    @friendly
+    def refuse():
+        raise UserError("llama-cpp-python is not installed", "--gguf", 'pip install -e ".[gguf]" [bold]now[/bold]')
+
+    try:
+        refuse()
+    except typer.Exit as e:
+        assert e.exit_code == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[gguf]"' in " ".join(err.split()) and "[bold]now[/bold]" in err

@@ -224,3 +224,31 @@ def test_two_processes_under_torchrun_equal_one(tmp_path):
     assert (two["ce"], two["term"]) == (pytest.approx(one["ce"], rel=1e-5), pytest.approx(one["term"], rel=1e-5))
     assert_same_grads(two["grads"], one["grads"], rtol=1e-5, atol=1e-7)
     json.dumps({"loss": one["loss"]})  # plain floats came back
+
+
+def test_its_peft_adapter_opens_in_delft_eval_inspect_and_export(tmp_path):
+    from datasets import Dataset
+    from helpers import run_cli
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from delft.integrations.hf import DigitTrainer
+
+    tok = build_tokenizer()
+    base, run = tmp_path / "base", tmp_path / "run"
+    build_model(tok, hidden=32, layers=2).save_pretrained(base)
+    tok.save_pretrained(base)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=str(run), per_device_train_batch_size=2, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", learning_rate=1e-2, disable_tqdm=True)
+    trainer = DigitTrainer(model=policy, args=args, train_dataset=Dataset.from_list(encode(tok, EIGHT)),
+                           data_collator=collate, processing_class=tok, digit_loss={"type": "ntl_was"})
+    trainer.train()
+    trainer.save_model(str(run))
+    for cmd in (("eval", "--model", base, "--data", "synthetic", "--limit", "2", "--set", "eval.max_new_tokens=3", run),
+                ("inspect", "--model", base, "--adapter", run, "--max-new-tokens", "3", "What is 2 + 3?"),
+                ("export", run, "--out", tmp_path / "merged", "--dtype", "float32")):
+        r = run_cli(*cmd)
+        assert r.exit_code == 0, (cmd[0], r.output)
+    assert (tmp_path / "merged" / "config.json").is_file()
