@@ -190,13 +190,14 @@ def compare(
         32, "--transfer-max-new-tokens", help="Generation budget on --transfer (word problems: some text first)."),
     no_transfer: bool = typer.Option(
         False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
+    force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.experiments.compare import run_compare
 
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
-                transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer)
+                transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force)
 
 
 @app.command()
@@ -207,11 +208,12 @@ def study(
         None, "--data-dir", help="Folder holding the study's data files: its relative data paths are looked up here."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
+    force: bool = typer.Option(False, "--force", help="Replace earlier results in the study's out (as a set)."),
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
     from delft.experiments.study import run_study
 
-    run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only)
+    run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force)
 
 
 @recipe_app.command("check")

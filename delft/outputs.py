@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from delft.errors import UserError
 
@@ -133,6 +133,44 @@ def check_output_files(paths: dict[str, Path | None]) -> None:
         if key in seen:
             raise UserError(f"{seen[key]} and {flag} name the same file {path}", flag, "Give each its own file.")
         seen[key] = flag
+
+
+@contextmanager
+def result_set(out: Path, old: Iterable[str], flag: str) -> Iterator[Path]:
+    """Write one command's result files into the yielded fresh directory beside ``out``; when the block ends they
+    replace that command's earlier files in ``out`` as a set: the files named in ``old`` (plain names; files only)
+    are removed, then the new ones moved in, so two runs' results never mix and nothing else in ``out`` is touched.
+    A new ``out`` is the finished directory renamed into place. On any failure while writing, ``out`` is as it was."""
+    out = Path(out)
+    tmp = temporary_sibling(out, ".new")
+
+    def failed(e: OSError) -> UserError:
+        remove(tmp)
+        return UserError(f"could not write the results into {out} ({e.strerror or e})", flag,
+                         "Free some space or fix the permissions, then run the command again.")
+
+    remove(tmp)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise failed(e) from None
+    try:
+        yield tmp
+    except BaseException:
+        remove(tmp)
+        raise
+    try:
+        if not out.exists():
+            os.replace(tmp, out)
+            return
+        for name in old:
+            if (out / Path(name).name).is_file():
+                (out / Path(name).name).unlink()
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    except OSError as e:
+        raise failed(e) from None
 
 
 def write_figure(fig, path: Path, flag: str, **savefig) -> None:

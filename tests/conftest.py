@@ -64,3 +64,11 @@ def llama3_model_dir(llama3_tokenizer, tmp_path_factory) -> Path:
     from llama3_vocab import save_llama3_model
 
     return save_llama3_model(tmp_path_factory.mktemp("llama3") / "model", llama3_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def llama3_vocab(llama3_tokenizer):
+    """The Llama-3.2 tokenizer's NumberVocab: 1,110 number tokens of 1-3 digits."""
+    from delft.numbers.tokens import NumberVocab
+
+    return NumberVocab.from_tokenizer(llama3_tokenizer)

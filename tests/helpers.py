@@ -182,6 +182,7 @@ class OracleDigits:
 
     digit_ids: tuple[int, ...]
     dot_id: Optional[int]
+    comma_id: Optional[int] = None  # the thousands separator: "1,234" is one number (delft.numbers.digits)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "OracleDigits":
@@ -206,7 +207,8 @@ class OracleDigits:
                 "into single digits (Qwen2/2.5, SmolLM2, Llama-2, Mistral) or set loss.type: ce.")
         dot = [t for t in tokenizer.encode(".", add_special_tokens=False) if tokenizer.decode([t]) != ""]
         dot_id = dot[0] if len(dot) == 1 and tokenizer.decode(dot) == "." else None
-        return cls(tuple(ids), dot_id)
+        comma = [t for t in tokenizer.encode(",", add_special_tokens=False) if tokenizer.decode([t]) != ""]
+        return cls(tuple(ids), dot_id, comma[0] if len(comma) == 1 and tokenizer.decode(comma) == "," else None)
 
     def char_of(self, token_id: int) -> Optional[str]:
         if token_id in self._lookup:
@@ -220,6 +222,8 @@ class OracleDigits:
             table = {t: d for d, t in zip(DIGITS, self.digit_ids)}
             if self.dot_id is not None:
                 table[self.dot_id] = "."
+            if self.comma_id is not None:
+                table[self.comma_id] = ","
             object.__setattr__(self, "_table", table)
         return table
 
@@ -230,4 +234,4 @@ class OracleDigits:
 
 def oracle_digits(numbers) -> OracleDigits:
     """The oracle's vocabulary with the digit ids of a (single-digit) delft NumberVocab."""
-    return OracleDigits(tuple(numbers.digit_ids), numbers.dot_id)
+    return OracleDigits(tuple(numbers.digit_ids), numbers.dot_id, numbers.comma_id)

@@ -5,12 +5,13 @@ their ``loss`` section (and ``output.dir``, which compare replaces). A recipe th
 extends (``recipes/compare/base.yaml``) is their shared base, not a run of its own, and is skipped.
 
 For every recipe and ``--seed`` N the run lives in ``<parent of output.dir>/<recipe name>-seed<N>``
-(``runs/compare/del-seed1``): finished runs are reused (after checking they were trained with this recipe),
-interrupted ones resume from their last checkpoint, missing ones are trained. Then the base model and every
-adapter answer (a) the recipe's held-out synthetic set and (b) with ``--transfer FILE``, a slice of a
-transfer set such as SVAMP (none unless given), with the machinery of ``delft eval``; tables go to the
-terminal and ``tables.txt`` (and as Markdown to ``summary.md``), every metric, interval and prediction to
-``compare.json``, per-place digit accuracy to ``places_<set>.png``.
+(``runs/compare/del-seed1``): finished runs are reused and interrupted ones resume from their last checkpoint,
+both only after checking they were trained with this recipe (``check_adoptable``); missing ones are trained. Then
+the base model and every adapter answer (a) the recipe's held-out synthetic set and (b) with ``--transfer FILE``,
+a slice of a transfer set such as SVAMP (none unless given), with the machinery of ``delft eval``; tables go to
+the terminal and ``tables.txt`` (and as Markdown to ``summary.md``), every metric, interval and prediction to
+``compare.json``, per-place digit accuracy to ``places_<set>.png``. Earlier results in ``--out`` are refused
+before any training unless ``--force``, which replaces them as a set (``check_results_out``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
-from delft.outputs import check_output_dir, num, pct, write_result
+from delft.outputs import check_output_dir, num, pct, result_set, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
-from delft.rundir import METRICS, RECIPE, is_finished_run, is_run_dir, latest_checkpoint, read_info
+from delft.rundir import METRICS, RECIPE, RUN_INFO, is_finished_run, is_run_dir, latest_checkpoint, read_info
+from delft.training.resume import BOOKKEEPING_KEYS
 
 REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
 
@@ -82,6 +84,16 @@ def _comparable(recipe: Recipe) -> dict[str, Any]:
     """Every resolved key except the loss section and the free keys."""
     return {k: v for k, v in flat_keys(recipe.to_dict()).items()
             if not k.startswith("loss.") and k != "loss" and k not in FREE_KEYS}
+
+
+def check_seeds(seeds: Sequence[int], where: str) -> list[int]:
+    """The training seeds, each once ([0] when none): a repeated seed would train and count one run twice."""
+    seeds = list(seeds) or [0]
+    twice = [s for i, s in enumerate(seeds) if s in seeds[:i]]
+    if twice:
+        raise UserError(f"seed {twice[0]} is given twice ({', '.join(map(str, seeds))}): it would count one run as "
+                        "two seeds", where, "Give each training seed once, e.g. 0, 1, 2.")
+    return seeds
 
 
 def run_dir_for(recipe: Recipe, name: str, seed: int) -> Path:
@@ -139,8 +151,26 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
     return contenders
 
 
-def _saved_recipe_differences(run_dir: Path, cfg: Recipe) -> list[str]:
-    return sorted(recipe_differences(load_recipe(run_dir / RECIPE), cfg, ignore=("eval",)))
+# What an existing run directory may differ in from the run compare would train there: the bookkeeping keys (the
+# same adapter; delft.training.resume) and output.dir (it is this directory whatever the spelling).
+ADOPT_FREE_KEYS = ("output.dir", *BOOKKEEPING_KEYS)
+
+
+def check_adoptable(run_dir: Path, cfg: Recipe, what: str, where: str = "delft compare") -> None:
+    """Use a run directory compare (or study) finds at a run's place only when it was trained with this recipe:
+    a finished run is not reused, and an interrupted `delft train` not taken over (resumed to this recipe's steps,
+    marked finished, its checkpoints deleted), when the saved recipe differs in more than ADOPT_FREE_KEYS."""
+    saved_path = run_dir / RECIPE
+    if not saved_path.is_file():
+        return
+    saved = load_recipe(saved_path)
+    diff = sorted(recipe_differences(saved, cfg, ignore=ADOPT_FREE_KEYS))
+    if diff:
+        old, new = flat_keys(saved.to_dict()), flat_keys(cfg.to_dict())
+        shown = "; ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in diff[:6])
+        raise UserError(f"{run_dir} holds {what} of a different recipe ({shown}{'; ...' if len(diff) > 6 else ''})",
+                        where, f"Move {run_dir} away (it is kept as it is) to train this "
+                        f"recipe there, or restore the recipe it was trained with (its {RECIPE}).")
 
 
 def _last_rows(run_dir: Path) -> dict:
@@ -164,21 +194,20 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
     from delft.training.trainer import run_training
 
     run_dir = Path(cfg.output.dir)
+    where = " ".join(command.split()[:2])  # delft compare, or delft study
     info = read_info(run_dir) if run_dir.is_dir() else {}
     if is_finished_run(run_dir):
-        diff = _saved_recipe_differences(run_dir, cfg)
-        if diff:
-            raise UserError(f"{run_dir} holds a finished run of a different recipe ({', '.join(diff)} differ)",
-                            "delft compare", f"Delete {run_dir} to train it again with this recipe, or restore "
-                            f"the recipe it was trained with (its {RECIPE}).")
+        check_adoptable(run_dir, cfg, "a finished run", where)
         console.print(f"[dim]{run_dir}: finished run, reused[/]")
         return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
     force = False
     status = "trained"
     if run_dir.is_dir() and any(run_dir.iterdir()):
         if latest_checkpoint(run_dir) is not None:
+            check_adoptable(run_dir, cfg, "an interrupted run", where)
             status = "resumed"
         elif is_run_dir(run_dir):
+            check_adoptable(run_dir, cfg, "a run stopped before its first checkpoint", where)
             console.print(f"[yellow]{run_dir}: stopped before its first checkpoint; starting it again[/]")
             force = True
         else:
@@ -492,6 +521,40 @@ def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Co
     return runs, training
 
 
+def earlier_results(out: Path, fixed: Sequence[str]) -> list[str]:
+    """The result files a compare (or study) wrote into ``out`` before: the ``fixed`` names (its report first)
+    and the plots its report lists. Only these are replaced (with --force); other files in ``out`` are kept."""
+    out = Path(out)
+    found = [n for n in fixed if (out / n).is_file()]
+    try:
+        listed = json.loads((out / fixed[0]).read_text(encoding="utf-8")).get("plots") or {}
+        plots = [Path(str(p)).name for p in listed.values()]
+    except (OSError, ValueError, AttributeError):  # no report, or not one of ours
+        plots = []
+    return found + [n for n in dict.fromkeys(plots) if n not in found and (out / n).is_file()]
+
+
+def check_results_out(out: Path, fixed: Sequence[str], plots: Sequence[str], runs: Sequence[Path], force: bool,
+                      flag: str) -> None:
+    """Before any training: ``out`` is no run directory nor inside one (nor one of ``runs``, still to be trained),
+    and holds no earlier results (``earlier_results``, or a file named like a plot to be written) unless ``force``."""
+    check_output_dir(out, flag)
+    where = Path(out).resolve()
+    inside = next((d for d in (where, *where.parents) if (d / RUN_INFO).is_file()), None)
+    if inside is None:
+        inside = next((r for r in runs if Path(r).resolve() in (where, *where.parents)), None)
+    if inside is not None:
+        raise UserError(f"{out} is inside the run directory {inside}: results written there would replace or mix "
+                        "with the run's own files (loss_curve.png, metrics.jsonl, ...)", flag,
+                        "Choose an out of its own, e.g. results/my-comparison.")
+    clash = list(dict.fromkeys(earlier_results(out, fixed) + [n for n in plots if (Path(out) / n).exists()]))
+    if clash and not force:
+        more = f" and {len(clash) - 6} more" if len(clash) > 6 else ""
+        raise UserError(f"{out} already holds results ({', '.join(clash[:6])}{more})", flag,
+                        "Choose another out, or pass --force to replace them: the earlier result files go as a set "
+                        "(nothing else in the directory is touched).")
+
+
 def _transfer_key(transfer_cfg) -> str:
     key = Path(transfer_cfg.source).stem or "transfer"
     return "transfer" if key == "synthetic" else key
@@ -508,6 +571,15 @@ def _write_plots(sets: dict[str, tuple[dict, list]], seeds: Sequence[int], out: 
     for key, (section, results) in sets.items():
         write_plot(results, _plot_path(out, key),
                    f"Per-place digit accuracy, {key} ({section['settings']['n']} problems; {what})", "--out")
+
+
+def _write_results(out: Path, written: dict[str, str], sets: dict[str, tuple[dict, list]],
+                   seeds: Sequence[int]) -> None:
+    """The report files, then the plots, replacing compare's earlier results in ``out`` as a set."""
+    with result_set(out, earlier_results(out, (REPORT, TABLES, SUMMARY)), "--out") as new:
+        for name, text in written.items():  # the numbers first, then the pictures of them
+            write_result(new / name, text, "--out")
+        _write_plots(sets, seeds, new)
 
 
 def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Sequence[int], base: str,
@@ -535,24 +607,30 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
                 overrides: Sequence[str] = (), console: Optional[Console] = None,
                 transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
                 transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
-                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False) -> dict:
+                transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False,
+                force: bool = False) -> dict:
     """Train what is missing, evaluate base + every run on the synthetic set (and ``transfer``), write the report.
 
-    The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False).
+    The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False). Results
+    already in ``out`` are refused before training unless ``force``, and then replaced as a set.
     Returns the JSON report (also written to ``out/compare.json``).
     """
     from delft.evaluation.command import check_runs, resolve_settings
 
     console = console or Console()
-    seeds = list(dict.fromkeys(seeds)) or [0]
+    seeds = check_seeds(seeds, "--seed")
     if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
         raise UserError("--transfer-limit and --transfer-max-new-tokens must be positive", "delft compare",
                         "e.g. --transfer-limit 100, or --no-transfer to skip the transfer set.")
-    check_output_dir(Path(out), "--out")  # before hours of training, not after
+    out = Path(out)
+    check_output_dir(out, "--out")  # before hours of training, not after
     contenders = resolve_contenders(recipe_paths, overrides, console)
     cfg0 = contenders[0].for_seed(seeds[0])
     transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
         else None
+    keys = ["synthetic"] + ([_transfer_key(transfer_cfg)] if transfer_cfg is not None else [])
+    check_results_out(out, (REPORT, TABLES, SUMMARY), [_plot_path(out, k).name for k in keys],
+                      [c.for_seed(s).output.dir for s in seeds for c in contenders], force, "--out")
     command = _command(recipe_paths, seeds, out, overrides)
     runs, training = train_all(contenders, seeds, console, command)
 
@@ -568,7 +646,6 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
         key = _transfer_key(transfer_cfg)
         sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
 
-    out = Path(out)
     report = json_ready({
         "delft_version": __version__,
         "command": command,
@@ -579,9 +656,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     })
     written = {REPORT: json.dumps(report, indent=1) + "\n", TABLES: tables.export_text(),
                SUMMARY: markdown_summary(report)}
-    for name, text in written.items():  # the numbers first, then the pictures of them
-        write_result(out / name, text, "--out")
-    _write_plots(sets, seeds, out)
+    _write_results(out, written, sets, seeds)
     console.print(f"[green]wrote[/] {', '.join(str(out / name) for name in written)}, "
                   + ", ".join(report["plots"].values()))
     return report

@@ -8,7 +8,8 @@ teacher-forced on the gold completions (digit accuracy per place, digit CE, non-
 --teacher-forced``). Every difference is a paired bootstrap against the plain-CE recipe, per seed and pooled over
 seeds (each problem's score averaged over the seeds first, so a problem is resampled once), reported with the
 smallest difference the comparison could detect. ``out`` gets ``study.json`` (settings, training, every
-prediction), ``summary.md`` and one plot per set.
+prediction), ``summary.md``, ``tables.txt`` and one plot per set; earlier results there are refused before any
+training unless ``--force``, which replaces them as a set (compare's ``check_results_out``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from rich.console import Console
 
 from delft import __version__
@@ -28,6 +29,7 @@ from delft.errors import UserError
 from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, describe_error, read_yaml
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
+RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
 
 
 
@@ -51,6 +53,15 @@ class StudyConfig(Section):
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Training seeds: every recipe trains once per seed.")
     out: str = Field(..., min_length=1, description="Results directory (relative to the current directory).")
     evals: dict[str, EvalSet] = Field(..., min_length=1, description="Eval sets by name (a name is a file stem).")
+
+    @field_validator("seeds")
+    @classmethod
+    def _each_seed_once(cls, seeds: list[int]) -> list[int]:
+        twice = [s for i, s in enumerate(seeds) if s in seeds[:i]]
+        if twice:
+            raise ValueError(f"seed {twice[0]} is given twice: it would count one run as two seeds; give each "
+                             "training seed once")
+        return seeds
 
 
 def load_study(path: Path) -> StudyConfig:
@@ -210,18 +221,33 @@ def _write_plots(out: Path, sections: dict[str, tuple[dict, list]], seeds: Seque
     return paths
 
 
+def _write_results(out: Path, report: dict, tables: str, sections: dict[str, tuple[dict, list]],
+                   seeds: Sequence[int], flag: str) -> None:
+    """study.json, summary.md, tables.txt and the plots, replacing the study's earlier results in ``out`` as a
+    set (an earlier study's plots of other sets never stay beside these)."""
+    from delft.experiments.compare import earlier_results
+    from delft.experiments.summary import study_summary
+    from delft.outputs import result_set, write_result
+
+    with result_set(out, earlier_results(out, RESULT_FILES), flag) as new:
+        write_result(new / STUDY_JSON, json.dumps(report, indent=1) + "\n", flag)
+        write_result(new / SUMMARY, study_summary(report), flag)
+        write_result(new / TABLES, tables, flag)
+        _write_plots(new, sections, seeds)
+
+
 def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> str:
     return shlex.join(["delft", "study", str(path), *(["--data-dir", str(data_dir)] if data_dir else []),
                        *[x for o in overrides for x in ("--set", o)]])
 
 
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
-              console: Optional[Console] = None, train_only: bool = False) -> Optional[dict]:
-    """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``."""
+              console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
+    """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``
+    (earlier results there only with ``force``, replaced as a set)."""
     from delft.evaluation.command import check_runs
-    from delft.experiments.compare import json_ready, train_all
-    from delft.experiments.summary import study_summary
-    from delft.outputs import check_output_dir, write_result
+    from delft.experiments.compare import check_results_out, json_ready, train_all
+    from delft.outputs import check_output_dir
 
     console = console or Console()
     path = Path(path)
@@ -229,6 +255,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     out = Path(study.out)
     check_output_dir(out, f"{path}: out")  # before hours of training, not after
     contenders = _contenders(study, path, overrides, data_dir, console)
+    check_results_out(out, RESULT_FILES, [f"{key}.png" for key in study.evals],  # train_only writes no results
+                      [c.for_seed(s).output.dir for s in study.seeds for c in contenders], force or train_only,
+                      f"{path}: out")
     cfg0 = contenders[0].for_seed(study.seeds[0])
     sets = {name: eval_data(name, spec, cfg0, data_dir) for name, spec in study.evals.items()}
     command = _command(path, data_dir, overrides)
@@ -259,10 +288,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
         "evals": {key: section for key, (section, _) in sections.items()},
     })
     report["plots"] = {key: str(out / f"{key}.png") for key in sections}
-    write_result(out / STUDY_JSON, json.dumps(report, indent=1) + "\n", f"{path}: out")
-    write_result(out / SUMMARY, study_summary(report), f"{path}: out")
-    write_result(out / TABLES, tables.export_text(), f"{path}: out")
-    _write_plots(out, sections, study.seeds)
+    _write_results(out, report, tables.export_text(), sections, study.seeds, f"{path}: out")
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
                   f"{len(sections)} plots in {out}")
     return report

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from delft.data import prompt_ids
 from delft.errors import UserError
-from delft.numbers.digits import DIGITS, number_runs, place_name, run_places
+from delft.numbers.digits import DIGITS, number_runs, place_name, run_places, thousands_separators
 from delft.numbers.tokens import NumberVocab
 
 PURPOSE = "per-digit inspection"
@@ -67,19 +67,6 @@ def check_target(target: str) -> str:
     return text
 
 
-def _is_digit(char: Optional[str]) -> bool:
-    return char is not None and char in DIGITS
-
-
-def _thousands_separators(chars: Sequence[Optional[str]], texts: Sequence[str]) -> set[int]:
-    """Positions of ',' between a digit and exactly three digits ("1,234"): skipped so places count by value."""
-    out = set()
-    n = len(chars)
-    for i, t in enumerate(texts):
-        if t == "," and 0 < i and _is_digit(chars[i - 1]) and i + 3 < n \
-                and all(_is_digit(chars[i + k]) for k in (1, 2, 3)) and (i + 4 >= n or not _is_digit(chars[i + 4])):
-            out.add(i)
-    return out
 
 
 def char_rows(token_ids: Sequence[int], texts: Sequence[str],
@@ -107,7 +94,7 @@ def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: Numbe
     trailing sentence dot ("391.") or a run of dots is not.
     """
     chars, texts, _ = char_rows(token_ids, texts, vocab)
-    keep = [i for i in range(len(chars)) if i not in _thousands_separators(chars, texts)]
+    keep = [i for i in range(len(chars)) if i not in thousands_separators(chars)]
     kept_chars = [chars[i] for i in keep]
     kept_places = run_places(kept_chars)
     n = len(chars)
@@ -221,7 +208,7 @@ def _char_stats(logp, answer_ids: Sequence[int], numbers: NumberVocab) -> dict[s
 def _top_digit(numbers: NumberVocab, top_id: int, answer_text: Optional[str], j: int) -> Optional[int]:
     """The argmax token's digit at character j, when it is a number token agreeing with the answer's before j."""
     top = numbers.text_of(top_id)
-    if top is None or top == "." or len(top) <= j or (j and (answer_text or "")[:j] != top[:j]):
+    if top is None or not top.isdigit() or len(top) <= j or (j and (answer_text or "")[:j] != top[:j]):
         return None
     return int(top[j])
 

@@ -66,7 +66,18 @@ class DigitLossMixin:
 
     def __init__(self, *args, digit_loss: Optional[dict] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.configure_digit_loss(digit_loss or {})
+        self._digit_loss = None
+        self._step_counts: Optional[tuple[int, int]] = None  # (labels, digits) of the current optimizer step
+        self._logged = None  # [ce, term] means summed over the steps since the last log (this rank's share)
+        if digit_loss is not None:  # built now, so a bad option fails before training; else on first use
+            self.configure_digit_loss(digit_loss)
+
+    @property
+    def digit_loss(self):
+        """The delft.losses.DigitLoss in use (del_prob at its default weight unless configured)."""
+        if self._digit_loss is None:
+            self.configure_digit_loss({})
+        return self._digit_loss
 
     def configure_digit_loss(self, options: dict, tokenizer=None) -> None:
         """(Re)build the digit loss from ``options`` (also how the axolotl plugin hands its YAML block over)."""
@@ -74,9 +85,7 @@ class DigitLossMixin:
 
         tokenizer = tokenizer or getattr(self, "processing_class", None)
         opts = dict(options)
-        self.digit_loss = DigitLoss(tokenizer, opts.pop("type", "del_prob"), **opts)
-        self._step_counts: Optional[tuple[int, int]] = None  # (labels, digits) of the current optimizer step
-        self._logged = None  # [ce, term] means summed over the steps since the last log (this rank's share)
+        self._digit_loss = DigitLoss(tokenizer, opts.pop("type", "del_prob"), **opts)
 
     # ------------------------------------------------------------------ the step's counts
 

@@ -8,6 +8,11 @@ first '.' at index > 0 is the decimal point; a run that starts with '.' has no p
 integer-like). Places count character positions, so in "1.2.3" the '3' is place -3. Dots are never scored.
 Unlike the reference, runs are found per sequence and an ignored label (-100) ends a run. Runs and places
 are properties of the characters, not of the tokens: ``token_places`` finds them across multi-digit tokens.
+
+Thousands separators join a number, as the answer scorer reads it (delft.numbers.answers): in "1,234" the '1' is
+the thousands digit for the losses, eval and inspect alike. A ',' is a separator when the digits before it are
+a whole group of 1-3 (not after a '.') and every ',' of the chain is followed by exactly three digits, the last
+group not followed by another digit: "1,000,000" and "$1,234.50" join; "3,4" in a list and "12,3456" do not.
 """
 
 from __future__ import annotations
@@ -44,12 +49,47 @@ def number_runs(chars: Sequence[Optional[str]]) -> list[tuple[int, int]]:
     return runs
 
 
+def _is_digit(c: Optional[str]) -> bool:
+    return c is not None and c in DIGITS
+
+
+def thousands_separators(chars: Sequence[Optional[str]]) -> set[int]:
+    """Positions of the ',' that are thousands separators (module docstring): they join a number's run."""
+    out: set[int] = set()
+    n, i = len(chars), 0
+    while i < n:
+        if not _is_digit(chars[i]) or (i > 0 and (_is_digit(chars[i - 1]) or chars[i - 1] == ".")):
+            i += 1
+            continue
+        j = i
+        while j < n and _is_digit(chars[j]):
+            j += 1
+        commas, k = [], j
+        if j - i <= 3:
+            while k + 3 < n and chars[k] == "," and all(_is_digit(c) for c in chars[k + 1:k + 4]):
+                commas.append(k)
+                k += 4
+            while commas and k < n and _is_digit(chars[k]):  # the last group runs on: not a separated number
+                k = commas.pop()
+        out.update(commas)
+        i = max(k, j)
+    return out
+
+
 def run_places(chars: Sequence[Optional[str]]) -> list[Optional[int]]:
-    """Place of every position (None for non-digits, dots and anything outside a number).
+    """Place of every position (None for non-digits, dots, thousands separators and anything outside a number).
 
     ``chars`` holds one character (or None) per position; None and any character outside '0'..'9' and '.'
-    end a run. Example: list("x12.57.") -> [None, 2, 1, None, -1, -2, None].
+    end a run, except a thousands separator. Example: list("x12.57.") -> [None, 2, 1, None, -1, -2, None];
+    list("1,234") -> [4, None, 3, 2, 1].
     """
+    seps = thousands_separators(chars)
+    if seps:  # places of the number without its separators, put back at the characters' positions
+        keep = [i for i in range(len(chars)) if i not in seps]
+        out: list[Optional[int]] = [None] * len(chars)
+        for i, place in zip(keep, run_places([chars[i] for i in keep])):
+            out[i] = place
+        return out
     places: list[Optional[int]] = [None] * len(chars)
     for start, end in number_runs(chars):
         run = chars[start:end]

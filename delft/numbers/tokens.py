@@ -107,18 +107,21 @@ class _RawTokenizer:
         return self.core.get_added_tokens_decoder()
 
 
-def _dot_id(tokenizer) -> Optional[int]:
-    dot = _emitted(tokenizer, ".")
-    return dot[0] if len(dot) == 1 and tokenizer.decode(dot, clean_up_tokenization_spaces=False) == "." else None
+def _char_id(tokenizer, char: str) -> Optional[int]:
+    """The id of the token that is exactly ``char`` ('.' or ','), when the tokenizer writes it alone."""
+    ids = _emitted(tokenizer, char)
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids, clean_up_tokenization_spaces=False) == char else None
 
 
 @dataclass(frozen=True)
 class NumberVocab:
-    """A tokenizer's number tokens (ids and texts, ordered by length then text: '0'..'9' first) and '.'."""
+    """A tokenizer's number tokens (ids and texts, ordered by length then text: '0'..'9' first), '.' and ','
+    (the thousands separator, which joins a number: delft.numbers.digits)."""
 
     ids: tuple[int, ...]
     texts: tuple[str, ...]
     dot_id: Optional[int]
+    comma_id: Optional[int] = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "NumberVocab":
@@ -140,7 +143,8 @@ class NumberVocab:
                     f"does not write {probe!r} with digit-only tokens (got {pieces})")
             raise UserError(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
         order = sorted(numbers.items(), key=lambda kv: (len(kv[1]), kv[1], kv[0]))
-        return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _dot_id(tokenizer))
+        return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _char_id(tokenizer, "."),
+                   _char_id(tokenizer, ","))
 
     @classmethod
     def from_tokenizer_file(cls, path, purpose: str = "a digit loss") -> "NumberVocab":
@@ -159,11 +163,12 @@ class NumberVocab:
         return self.texts == tuple(DIGITS)
 
     @classmethod
-    def single_digits(cls, digit_ids: Sequence[int], dot_id: Optional[int] = None) -> "NumberVocab":
+    def single_digits(cls, digit_ids: Sequence[int], dot_id: Optional[int] = None,
+                      comma_id: Optional[int] = None) -> "NumberVocab":
         """The vocabulary of a single-digit tokenizer given its ten digit ids ('0'..'9', in order) and '.'."""
         if len(digit_ids) != 10:
             raise ValueError(f"give the ten ids of '0'..'9', not {len(digit_ids)}")
-        return cls(tuple(int(t) for t in digit_ids), tuple(DIGITS), dot_id)
+        return cls(tuple(int(t) for t in digit_ids), tuple(DIGITS), dot_id, comma_id)
 
     @property
     def digit_ids(self) -> tuple[int, ...]:
@@ -183,11 +188,14 @@ class NumberVocab:
         return self._column.get(int(token_id))
 
     def text_of(self, token_id: int) -> Optional[str]:
-        """A number token's digits, '.' for the dot, None for anything else (ignored labels included)."""
+        """A number token's digits, '.' for the dot, ',' for the comma, None for anything else (ignored labels
+        included)."""
         col = self.column_of(token_id)
         if col is not None:
             return self.texts[col]
-        return "." if self.dot_id is not None and int(token_id) == self.dot_id else None
+        if self.dot_id is not None and int(token_id) == self.dot_id:
+            return "."
+        return "," if self.comma_id is not None and int(token_id) == self.comma_id else None
 
     def places(self, token_ids: Sequence[int]) -> list[tuple[Optional[int], ...]]:
         """Places of each position's characters, runs across tokens; () for positions outside numbers."""

@@ -1,5 +1,6 @@
-"""The run directory before training: new, resumed (only with a recipe that differs in resume-free keys), or
-replaced with --force (only a delft run directory); the metrics log cut back to the checkpoint's step.
+"""The run directory before training: new, resumed (only with a recipe that differs in resume-free keys, and
+never past the new recipe's steps), or replaced with --force (only a delft run directory); the metrics log cut
+back to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from delft.recipe import Recipe, load_recipe, recipe_differences
 from delft.rundir import latest_checkpoint
 from delft.training import distributed as dist
 
-# Keys a resumed run may change: schedule length and bookkeeping, and how the loss is computed (chunk size, Liger
-# or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish where Liger is missing.
-RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", "train.logging_steps", "train.eval_steps",
-                    "train.save_steps", "train.keep_checkpoints", "train.loss_chunk_size", "train.fused_loss",
-                    "train.accuracy_steps", "train.accuracy_examples", "eval")
+# Keys that change neither the adapter a run trains nor how long it trains: bookkeeping, and how the loss is
+# computed (chunk size, Liger or not: the same numbers, tests/test_liger.py), so a run started on a GPU can finish
+# where Liger is missing. compare and study adopt an existing run directory only when it differs in these alone.
+BOOKKEEPING_KEYS = ("train.logging_steps", "train.eval_steps", "train.save_steps", "train.keep_checkpoints",
+                    "train.loss_chunk_size", "train.fused_loss", "train.accuracy_steps", "train.accuracy_examples",
+                    "eval")
+
+# Keys a resumed run may change: the bookkeeping ones and the schedule length (to train longer; never shorter
+# than the checkpoint's step, check_steps_left).
+RESUME_FREE_KEYS = ("train.max_steps", "train.epochs", *BOOKKEEPING_KEYS)
 
 
 def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
@@ -63,6 +69,8 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
             raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
                             "differ)", "output.dir",
                             "Use another output.dir, restore the recipe, or pass --force to start over.")
+        if recipe.train.max_steps is not None:  # before any model loads; an epochs-derived total: run_training
+            check_steps_left(ckpt, recipe.train.max_steps)
         console.print(f"[bold cyan]Resuming[/] from {ckpt} (pass --no-resume --force to start over).")
         return run_dir, ckpt, False
     if exists:
@@ -70,6 +78,23 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
                         "Choose another output.dir or pass --force to replace it.")
     return run_dir, None, False
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The optimizer step a checkpoint directory (``step-000042``) holds."""
+    return int(Path(ckpt).name.removeprefix(rundir.CHECKPOINT_PREFIX))
+
+
+def check_steps_left(ckpt: Path, total_steps: int) -> None:
+    """A resume never marks a run finished past its steps: a checkpoint beyond the new total is refused (it
+    would otherwise "complete" at once, untrained to its own recipe's length, and lose its checkpoints)."""
+    step = checkpoint_step(ckpt)
+    if step > total_steps:
+        raise UserError(f"{ckpt} is at step {step}, but this recipe trains {total_steps} steps (train.max_steps, or "
+                        "train.epochs when max_steps is unset): resuming would mark the run finished without "
+                        "training and delete its checkpoints", "train.max_steps",
+                        f"Resume with train.max_steps of {step} or more (e.g. --set train.max_steps={step}), "
+                        "or pass --force to start the run over.")
 
 
 def check_replaceable(run_dir: Path) -> None:

@@ -34,7 +34,13 @@ from delft.training.checkpoints import (
     save_checkpoint,
 )
 from delft.training.report import peak_memory_gb, plot_losses
-from delft.training.resume import check_replaceable, check_writable, prepare_run_dir, truncate_metrics
+from delft.training.resume import (
+    check_replaceable,
+    check_steps_left,
+    check_writable,
+    prepare_run_dir,
+    truncate_metrics,
+)
 from delft.training.schedule import make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, describe, setup
 from delft.training.signals import StopSignals
@@ -280,6 +286,8 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
         model, dtype, kernels = build_model(s, console)
         describe(s, model, dtype, console)
         trainer = Trainer(s, model, run_dir, console)
+        if ckpt is not None:  # the total is known now, also when train.epochs sets it; nothing is changed yet
+            check_steps_left(ckpt, trainer.schedule.total_steps)
         dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
         trainer.open_run_dir(ckpt, replace, kernels)
         trainer.train(resume_command)

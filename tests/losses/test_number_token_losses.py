@@ -23,11 +23,6 @@ PARAMS = {"dist2": {"tau": 0.5}}
 
 
 @pytest.fixture(scope="module")
-def llama3_vocab(llama3_tokenizer) -> NumberVocab:
-    return NumberVocab.from_tokenizer(llama3_tokenizer)
-
-
-@pytest.fixture(scope="module")
 def llama3_model(llama3_tokenizer):
     return build_model(llama3_tokenizer, hidden=16, layers=1)
 

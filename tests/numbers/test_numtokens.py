@@ -14,11 +14,6 @@ from delft.numbers.digits import DIGITS, token_places
 from delft.numbers.tokens import CharTable, NumberVocab, char_logits, count_digit_chars, number_targets
 
 
-@pytest.fixture(scope="session")
-def llama3_vocab(llama3_tokenizer) -> NumberVocab:
-    return NumberVocab.from_tokenizer(llama3_tokenizer)
-
-
 def columns(vocab: NumberVocab, texts) -> torch.Tensor:
     return torch.tensor([vocab.texts.index(s) for s in texts])
 
@@ -62,7 +57,7 @@ def test_single_digit_tokenizer_gives_todays_digit_ids():
     assert vocab.is_single_digit and vocab.max_len == 1
     oracle = OracleDigits.from_tokenizer(tok)  # the independent single-digit probe of the test helpers
     assert (vocab.digit_ids, vocab.dot_id) == (oracle.digit_ids, oracle.dot_id)
-    assert NumberVocab.single_digits(oracle.digit_ids, oracle.dot_id) == vocab
+    assert NumberVocab.single_digits(oracle.digit_ids, oracle.dot_id, oracle.comma_id) == vocab
 
 
 def test_chunked_tiny_tokenizer_has_110_number_tokens():

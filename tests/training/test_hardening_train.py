@@ -199,6 +199,32 @@ def test_damaged_checkpoint_falls_back_to_an_older_one(tmp_path, tiny_model_dir,
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_resume_never_finishes_a_run_past_its_steps(tmp_path, tiny_model_dir, monkeypatch):
+    path = run_recipe(tmp_path, tiny_model_dir, "run")
+    interrupt_in_forward(monkeypatch, at_call=2 * 4 + 1)  # in step 5 of 6: checkpoints at steps 3 and 4
+    with pytest.raises(SystemExit):
+        run_training(load_recipe(path))
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    kept, log = [c.name for c in checkpoints(run)], (run / METRICS).read_text()
+    assert kept == ["step-000003", "step-000004"]
+    # fewer steps than the checkpoint's (max_steps, before any model loads; or the total train.epochs gives)
+    for sets in (["train.max_steps=3"], ["train.max_steps=null", "train.epochs=0.2"]):
+        with pytest.raises(UserError) as e:
+            run_training(load_recipe(path, sets))
+        msg = " ".join(str(e.value).split())
+        assert "step-000004 is at step 4, but this recipe trains" in msg and "without training" in msg
+        assert "--set train.max_steps=4" in msg and "--force to start the run over" in msg
+        assert [c.name for c in checkpoints(run)] == kept and (run / METRICS).read_text() == log
+        assert read_info(run)["status"] == "interrupted" and read_info(run)["step"] == 4
+    # raising max_steps still resumes and trains on to the new end
+    run_training(load_recipe(path, ["train.max_steps=8"]))
+    info = read_info(run)
+    assert info["status"] == "completed" and info["step"] == 8 and checkpoints(run) == []
+    steps = [json.loads(ln)["step"] for ln in (run / METRICS).read_text().splitlines() if '"loss"' in ln]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def train_process(recipe: Path, *extra: str) -> subprocess.Popen:
     """`python -m delft train RECIPE` as a user runs it, in its own process."""
     return subprocess.Popen([sys.executable, "-m", "delft", "train", str(recipe), *extra], stdout=subprocess.PIPE,
