@@ -165,9 +165,15 @@ def export(
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
     from delft.export.gguf import export_gguf, prepare_gguf
-    from delft.export.merge import run_export
+    from delft.export.merge import run_export, verified_export
 
-    plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force)
+    resumed = None if force or not (gguf or gguf_lora) else verified_export(run, out, dtype)
+    plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force, resume=resumed is not None)
+    if plan is not None and resumed is not None:
+        console.print(f"[bold]resuming[/] {out} holds this run's verified merged model: only the GGUF phase runs "
+                      "again", highlight=False)
+        export_gguf(plan, resumed, console, resume=True)
+        return
     result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
                         device=device, force=force, console=console)
     if plan is not None:

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -104,3 +105,51 @@ def test_a_refusal_keeps_its_brackets_through_rich(capsys):
         assert e.exit_code == 2
     err = capsys.readouterr().err
     assert 'pip install -e ".[gguf]"' in " ".join(err.split()) and "[bold]now[/bold]" in err
+
+
+def test_version_prints_delft_version_without_torch():
+    """`delft --version` answers at once: the version, exit 0, and neither torch nor transformers imported."""
+    from delft import __version__
+
+    code = ("import sys; sys.argv = ['delft', '--version']\n"
+            "try:\n    from delft.cli import main; main()\n"
+            "finally:\n    print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == [f"delft {__version__}", "[]"], out.stdout + out.stderr
+    assert run_cli("--version").output.strip() == f"delft {__version__}"
+
+
+def readme_commands() -> dict[str, str]:
+    """The README's "## Commands" table: each row's first cell (`delft CMD ...`) by command name."""
+    from helpers import REPO
+
+    text = (REPO / "README.md").read_text(encoding="utf-8").split("## Commands", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `delft"):
+            cell = line.split("`")[1]
+            words = cell.split()
+            name = " ".join(words[1:3]) if words[1] == "recipe" else words[1]
+            rows[name] = cell
+    return rows
+
+
+def test_readme_commands_table_lists_every_option():
+    """Every option of every command (as its --help shows it) is in that command's row of the README table."""
+    import typer
+
+    from delft.cli import app
+
+    group = typer.main.get_command(app)
+    commands = {}
+    for name, cmd in group.commands.items():
+        subs = cmd.commands.items() if hasattr(cmd, "commands") else [("", cmd)]  # typer's own click
+        commands.update({f"{name} {sub}".strip(): c for sub, c in subs})
+    rows = readme_commands()
+    assert set(commands) <= set(rows), f"commands without a README row: {sorted(set(commands) - set(rows))}"
+    missing = [f"{name}: {opt}" for name, cmd in commands.items() for p in cmd.params
+               if p.param_type_name == "option" for opt in (*p.opts, *p.secondary_opts)
+               if opt != "--help" and not re.search(rf"{re.escape(opt)}(?![\w-])", rows[name])]
+    assert not missing, f"options missing from the README's commands table: {missing}"
+    assert "--version" in rows.get("--version", "")

@@ -19,7 +19,7 @@ GGUF_CHECK_FAILED.txt and exits 1, as the merge check does.
 
 from __future__ import annotations
 
-import gc
+import glob
 import importlib.util
 import json
 import os
@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from delft.errors import UserError, VerificationError
-from delft.models.loading import using_model
+from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
 from delft.outputs import staged, temporary_sibling, write_atomic
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
@@ -72,26 +72,11 @@ QUANTISER_TYPES = ("q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0", "q4_k_m", "q4_k_s
 LORA_TYPE = "f16"  # the adapter and the base it is applied to
 
 
-# Normalised squared error of llama.cpp's logits against transformers' fp32 merged model, per type.
-#  f32/f16/bf16: the merged model's own weights, or within a 16-bit rounding of them; what is left is llama.cpp's
-#    arithmetic (other kernels, another summation order) plus the rounding.
-#  q8_0 and below: quantisation error, larger with fewer bits, largest on small models (whose widths are often
-#    not multiples of the K-quants' 256-weight blocks, so llama.cpp keeps some tensors in other types).
-#  Every bound sits far below what a wrong tensor layout or a broken vocabulary gives (of
-#  order 1: unrelated logits of the same size give 2). docs/export.md#export-to-gguf-llamacpp-ollama-lm-studio
-#  lists the values measured on SmolLM2-135M.
-TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-3, "q8_0": 5e-3, "q6_k": 0.02, "q5_k_m": 0.05, "q5_k_s": 0.05,
-             "q5_1": 0.05, "q5_0": 0.05, "q4_k_m": 0.15, "q4_k_s": 0.15, "q4_1": 0.15, "q4_0": 0.15,
-             "q3_k_l": 0.3, "q3_k_m": 0.3, "q3_k_s": 0.3, "q2_k": 0.5}
-
-
-GREEDY_TOKENS = 24
-
-
 MARKER = "GGUF_CHECK_FAILED.txt"
 
 
 MODELFILE = "Modelfile"
+CARD_HEADING = "## GGUF (llama.cpp, Ollama, LM Studio)"  # the GGUF section of the export's model card
 
 
 @dataclass
@@ -103,23 +88,6 @@ class GgufPlan:
     check: bool  # load every file in llama.cpp and compare (needs llama-cpp-python)
     converter: Path
     notes: list = field(default_factory=list)
-
-
-@dataclass
-class GgufFile:
-    file: str
-    type: str
-    kind: str  # "merged" | "lora" | "base"
-    size_bytes: int = 0
-    made_by: str = ""  # "convert_hf_to_gguf.py", "llama.cpp quantiser", ...
-    nse: Optional[float] = None  # normalised squared error of the logits (None: not checked)
-    tolerance: Optional[float] = None
-    argmax_agreement: Optional[float] = None
-    positions: int = 0
-    greedy: str = ""  # llama.cpp's greedy answer
-    greedy_reference: str = ""  # transformers'
-    tokens_match: Optional[bool] = None  # llama.cpp's tokenizer gives the HF token ids on the check texts
-    passed: Optional[bool] = None
 
 
 def parse_types(types: list[str]) -> list[str]:
@@ -141,9 +109,10 @@ def llama_cpp_available() -> bool:
 
 
 def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Optional[bool] = None,
-                 match_training: bool = False, force: bool = False) -> Optional[GgufPlan]:
+                 match_training: bool = False, force: bool = False, resume: bool = False) -> Optional[GgufPlan]:
     """Refuse what cannot be done before minutes of merging: types, flags, the converter, the base's
-    architecture and tokenizer (a vocabulary-only conversion of the base). None when no GGUF was asked."""
+    architecture and tokenizer (a vocabulary-only conversion of the base). None when no GGUF was asked.
+    ``resume``: ``out`` holds this run's verified merged export (its GGUF phase is redone, the merge kept)."""
     from delft.export.checks import check_out, check_run_dir
 
     types = parse_types(types)
@@ -165,7 +134,8 @@ def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Opti
         raise UserError("--gguf-check loads the files in llama.cpp, from llama-cpp-python, which is not installed",
                         "--gguf-check", f"{INSTALL_HINT} (builds llama.cpp, see docs/export.md), or drop --gguf-check.")
     check_run_dir(Path(run_dir))  # the export's own refusals before the converter's download
-    check_out(Path(out), force, {"run directory": Path(run_dir)})
+    if not resume:
+        check_out(Path(out), force, {"run directory": Path(run_dir)})
     plan = GgufPlan(types=types, lora=lora, check=have_llama if check is None else check,
                     converter=ensure_converter())
     if not plan.check:
@@ -415,140 +385,17 @@ def _chatml_default_system(tokenizer) -> Optional[str]:
     return m[1] if m and '"""' not in m[1] else None
 
 
-@dataclass
-class CheckInputs:
-    """What both sides see: token ids from the HF tokenizer, so tokenisation can neither hide nor cause a
-    difference in the logits; llama.cpp's own tokenisation of the same texts is compared separately."""
-
-    texts: list  # the check prompts, then the chat prompt of the greedy answer
-    ids: list  # token ids of each text (special tokens as the HF tokenizer adds them)
-    stop: set  # end-of-turn token ids
-
-    @property
-    def prompts(self) -> list:
-        return self.ids[:-1]
-
-    @property
-    def chat(self) -> list:
-        return self.ids[-1]
-
-
-def check_inputs(tokenizer) -> CheckInputs:
-    from delft.export.merge import CHECK_PROMPTS
-
-    texts = list(CHECK_PROMPTS)
-    if getattr(tokenizer, "chat_template", None):
-        texts.append(tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPTS[0]}], tokenize=False,
-                                                   add_generation_prompt=True))
-    else:
-        texts.append(CHECK_PROMPTS[0])
-    ids = [tokenizer(t)["input_ids"] for t in texts[:-1]]
-    ids.append(tokenizer(texts[-1], add_special_tokens=False)["input_ids"])  # the template wrote its specials
-    stop = {tokenizer.eos_token_id}
-    if "<|im_end|>" in tokenizer.get_vocab():
-        stop.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    return CheckInputs(texts, ids, {s for s in stop if s is not None})
-
-
-def reference_outputs(model, inputs: CheckInputs) -> tuple[list, list[int]]:
-    """transformers' logits per prompt (numpy, positions x vocab) and its greedy continuation of the chat."""
-    import torch
-
-    with torch.no_grad():
-        logits = [model(input_ids=torch.tensor([p])).logits[0].float().numpy() for p in inputs.prompts]
-        out, past, step = [], None, torch.tensor([inputs.chat])
-        for _ in range(GREEDY_TOKENS):
-            o = model(input_ids=step, past_key_values=past, use_cache=True)
-            past, tok = o.past_key_values, int(o.logits[0, -1].argmax())
-            if tok in inputs.stop:
-                break
-            out.append(tok)
-            step = torch.tensor([[tok]])
-    return logits, out
-
-
-def llama_outputs(path: Path, inputs: CheckInputs, lora: Optional[Path] = None) -> tuple[list, list[int], bool]:
-    """The same in llama.cpp (the GGUF, plus a LoRA GGUF), and whether its tokenizer gives the HF ids."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    n_ctx = max(len(p) for p in inputs.ids) + GREEDY_TOKENS + 8
-    llm = Llama(model_path=str(path), lora_path=str(lora) if lora else None, logits_all=True, n_ctx=n_ctx,
-                n_threads=os.cpu_count() or 1, verbose=False)
-    try:
-        same_tokens = all(_llama_tokens(llm, text, ids, i == len(inputs.texts) - 1)
-                          for i, (text, ids) in enumerate(zip(inputs.texts, inputs.ids)))
-        logits = []
-        for p in inputs.prompts:
-            llm.reset()
-            llm.eval(p)
-            logits.append(np.array(llm.scores[:len(p)], dtype=np.float32))
-        llm.reset()
-        llm.eval(inputs.chat)
-        out = []
-        for _ in range(GREEDY_TOKENS):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            if tok in inputs.stop:
-                break
-            out.append(tok)
-            llm.eval([tok])
-        return logits, out, same_tokens
-    finally:
-        llm.close()
-        gc.collect()
-
-
-def _llama_tokens(llm, text: str, ids: list[int], chat: bool) -> bool:
-    """llama.cpp's tokenisation of ``text`` equals the HF ids (a BOS the HF side added is llama.cpp's too)."""
-    bos = llm.token_bos()
-    add_bos = not chat and bool(ids) and ids[0] == bos
-    return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True) == list(ids)
-
-
-def compare(logits: list, reference: list) -> tuple[float, float, int]:
-    """(normalised squared error over all positions, share of positions whose argmax agrees, positions)."""
-    import numpy as np
-
-    n = min(a.shape[-1] for a in [*logits, *reference])  # llama.cpp may pad the vocabulary
-    a = np.concatenate([x[:, :n] for x in logits]).astype(np.float64)
-    b = np.concatenate([x[:, :n] for x in reference]).astype(np.float64)
-    nse = float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
-    return nse, float((a.argmax(-1) == b.argmax(-1)).mean()), int(a.shape[0])
-
-
-def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, console: Console) -> None:
-    """Fill in each file's figures: merged GGUFs against the merged directory, the LoRA against base + adapter."""
-    from delft.models.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(str(out))
-    inputs = check_inputs(tokenizer)
-    base_file = next((out / f.file for f in files if f.kind == "base"), None)
-    for kind, name, adapter in (("merged", None, str(out)), ("lora", base, str(run_dir))):
-        chosen = [f for f in files if f.kind == kind]
-        if not chosen:
-            continue
-        with using_model(name, adapter=adapter, device="cpu", dtype="float32") as loaded:
-            ref_logits, ref_greedy = reference_outputs(loaded.model, inputs)
-        for f in chosen:
-            path, lora = (base_file, out / f.file) if kind == "lora" else (out / f.file, None)
-            logits, greedy, f.tokens_match = llama_outputs(path, inputs, lora)
-            f.nse, f.argmax_agreement, f.positions = compare(logits, ref_logits)
-            f.tolerance = TOLERANCE[f.type]
-            f.passed = f.nse <= f.tolerance and f.tokens_match
-            f.greedy, f.greedy_reference = tokenizer.decode(greedy), tokenizer.decode(ref_greedy)
-            console.print(f"  check {f.file}: normalised squared error {f.nse:.2g} (tolerance {f.tolerance:g}), "
-                          f"argmax agrees at {f.argmax_agreement:.0%} of {f.positions} positions, llama.cpp's "
-                          f"tokenizer {'agrees' if f.tokens_match else 'DIFFERS'}", highlight=False)
-
-
-def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None) -> list[GgufFile]:
+def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None, resume: bool = False) -> list[GgufFile]:
     """After a verified merged export (``result``: delft.export.merge.ExportResult): GGUF files, Modelfile, check,
     and their figures added to delft_export.json and the model card. VerificationError (exit 1) when a check
-    fails; the files stay, marked with GGUF_CHECK_FAILED.txt."""
+    fails; the files stay, marked with GGUF_CHECK_FAILED.txt. ``resume``: an earlier GGUF phase of this export
+    failed or was cut short: its GGUF outputs are removed and the phase is redone; the merged model is kept."""
     from delft.models.loading import load_tokenizer
 
     console = console or Console()
     out, run_dir = Path(result.out), Path(result.run_dir)
+    if resume:
+        _remove_gguf_phase(out)
     console.print(f"[bold]gguf[/] {', '.join(plan.types + (['lora'] if plan.lora else []))} with llama.cpp's "
                   f"converter ({LLAMA_CPP_SDIST})", highlight=False)
     files = write_gguf_files(plan, out, run_dir, result.base_model, result.dtype, console)
@@ -564,7 +411,11 @@ def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None) -> li
             raise UserError(f"{dest} already exists", "--out", "Choose another --out (or remove the file).")
         write_atomic(dest, text)
     if plan.check:
-        check_files(files, out, run_dir, result.base_model, console)
+        try:
+            check_files(files, out, run_dir, result.base_model, console)
+        except LlamaCrashed as crash:
+            _record(out, files, notes, plan.check)
+            raise _crashed(crash, files, out) from None
     _record(out, files, notes, plan.check)
     console.print(gguf_table(files))
     failed = [f for f in files if f.passed is False]
@@ -579,6 +430,29 @@ def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None) -> li
     console.print(f"[bold green]done[/] GGUF in {out}" + (f" (ollama create NAME -f {out / MODELFILE})"
                                                         if (out / MODELFILE).exists() else ""), highlight=False)
     return files
+
+
+def _crashed(crash: LlamaCrashed, files: list[GgufFile], out: Path) -> UserError:
+    verified = [f.file for f in files if f.passed is not None]
+    rest = [f.file for f in files if f.passed is None]
+    return UserError(
+        f"llama.cpp died while checking {crash.file} ({describe_exit(crash.returncode)}"
+        + (f": {crash.tail}" if crash.tail else "") + f"). Everything written is kept in {out}: the verified merged "
+        f"model and the GGUF files ({', '.join(verified) or 'none'} checked; {', '.join(rest)} not checked)",
+        "--gguf-check", f'Rebuild llama-cpp-python for this CPU (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install '
+        f"--force-reinstall --no-cache-dir {LLAMA_CPP_SDIST}), then run the same delft export command again: it keeps "
+        "the merge and redoes only the GGUF phase. Or pass --no-gguf-check.")
+
+
+def _remove_gguf_phase(out: Path) -> None:
+    """What an earlier GGUF phase of this export wrote, so it can be redone: the .gguf files, the Modelfile, the
+    failure marker, its half-written temporaries and its section of the model card."""
+    for path in [*out.glob(f"{glob.escape(out.name)}-*.gguf"), *out.glob(f".{glob.escape(out.name)}-*.tmp-*"),
+                 out / MODELFILE, out / MARKER]:
+        path.unlink(missing_ok=True)
+    card = out / "README.md"
+    if card.is_file():
+        write_atomic(card, card.read_text().split(f"\n{CARD_HEADING}")[0].rstrip() + "\n")
 
 
 def _record(out: Path, files: list[GgufFile], notes: list[str], checked: bool) -> None:
@@ -597,7 +471,7 @@ def _record(out: Path, files: list[GgufFile], notes: list[str], checked: bool) -
 
 
 def _card_section(files: list[GgufFile], notes: list[str], checked: bool, name: str) -> str:
-    lines = ["## GGUF (llama.cpp, Ollama, LM Studio)", "",
+    lines = [CARD_HEADING, "",
              f"Converted by llama.cpp's own converter ({LLAMA_CPP_SDIST})" + (
                  "; each file loaded in llama.cpp and its logits compared with this model in transformers (fp32) "
                  "on the check prompts." if checked else "; not loaded in llama.cpp (check skipped)."), "",

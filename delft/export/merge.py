@@ -374,3 +374,26 @@ def _swap_into_place(tmp: Path, out: Path, force: bool = True) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+
+
+def verified_export(run_dir, out, dtype: str) -> Optional[ExportResult]:
+    """An earlier export of ``run_dir`` into ``out`` whose merge check passed (so a failed or interrupted GGUF
+    phase can be redone without merging again), or None. Refuses one merged in another dtype than asked."""
+    import dataclasses
+
+    out = Path(out)
+    info_path = out / EXPORT_INFO
+    if not info_path.is_file() or (out / MARKER).exists() or not (out / "config.json").is_file():
+        return None
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not info.get("passed") or Path(str(info.get("run_dir", ""))).resolve() != Path(run_dir).resolve():
+        return None
+    if info.get("dtype") != normalize_dtype(dtype):
+        raise UserError(f"{out} holds this run's export merged in {info.get('dtype')}, not {normalize_dtype(dtype)}",
+                        "--dtype", f"Pass --dtype {info.get('dtype')} to redo only its GGUF phase, or --force to "
+                        "merge again.")
+    names = {f.name for f in dataclasses.fields(ExportResult)}
+    return ExportResult(**{k: v for k, v in info.items() if k in names})

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -23,13 +24,12 @@ from delft.export.gguf import (
     CONVERTER_FILES,
     MARKER,
     MODELFILE,
-    TOLERANCE,
     _extract_converter,
-    compare,
     ollama_modelfile,
     parse_types,
     prepare_gguf,
 )
+from delft.export.gguf_check import TOLERANCE, compare
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
@@ -246,7 +246,7 @@ def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_m
 @pytest.mark.slow
 @pytest.mark.gguf
 def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_path, monkeypatch):
-    import delft.export.gguf as gguf
+    import delft.export.gguf_check as gguf
     from delft.export.merge import ExportResult
 
     out, res = smol_export
@@ -262,3 +262,34 @@ def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_pat
     assert (again / "again-q8_0.gguf").is_file() and (again / MARKER).is_file()
     info = json.loads((again / "delft_export.json").read_text())["gguf"]
     assert info["files"][0]["passed"] is False and "FAILED" in (again / "README.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_a_llama_cpp_crash_is_reported_and_the_gguf_phase_resumes(smol_export, smol_run, tmp_path, monkeypatch):
+    """A child that dies by SIGILL stands in for llama.cpp on a CPU that traps an instruction it advertises: delft
+    says so in one paragraph (exit 2), keeps what it wrote, and the same command then redoes only the GGUF phase."""
+    import delft.export.gguf_check as gguf_check
+
+    out, res = smol_export
+    assert res.exit_code == 0, res.output
+    again = tmp_path / "again"
+    shutil.copytree(out, again, ignore=shutil.ignore_patterns("*.gguf", MODELFILE))
+    weights = sorted(again.glob("*.safetensors"))
+    stamps = {p: p.stat().st_mtime_ns for p in weights}
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    monkeypatch.setattr(gguf_check, "CHILD", [sys.executable, str(crash)])
+    r = run_cli("export", smol_run, "--out", again, "--gguf", "q8_0", "--gguf-check")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "SIGILL" in text and "redoes only the GGUF phase" in text, r.output
+    assert "resuming" in text and (again / "again-q8_0.gguf").is_file()  # the file it wrote is kept
+    info = json.loads((again / "delft_export.json").read_text())
+    assert info["passed"] is True and [f["passed"] for f in info["gguf"]["files"]] == [None]
+    monkeypatch.setattr(gguf_check, "CHILD", [sys.executable, "-m", "delft.export.gguf_check"])
+    r = run_cli("export", smol_run, "--out", again, "--gguf", "q8_0", "--gguf-check")
+    assert r.exit_code == 0, r.output
+    assert {p: p.stat().st_mtime_ns for p in weights} == stamps  # the merged model was not written again
+    info = json.loads((again / "delft_export.json").read_text())
+    assert [f["passed"] for f in info["gguf"]["files"]] == [True]
+    assert (again / "README.md").read_text().count("## GGUF") == 1

@@ -141,7 +141,7 @@ tok = AutoTokenizer.from_pretrained(path)
 rows = [{{"prompt": f"What is {{a}} + {{b}}? ", "completion": str(a + b)}} for a, b in ((12, 30), (7, 8), (123, 4), (9, 91))]
 args = SFTConfig(output_dir={out!r}, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
                  logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", max_length=32, disable_tqdm=True,
-                 learning_rate=1e-4, use_liger_kernel={liger})
+                 learning_rate=1e-4, use_liger_kernel={liger}, bf16=False)  # TRL defaults to bf16; the CPU trains fp32
 trainer = DigitSFTTrainer(model=AutoModelForCausalLM.from_pretrained(path), args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, digit_loss={{"type": "del_prob", "weight": 0.3}})
 trainer.train()
