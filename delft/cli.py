@@ -68,6 +68,20 @@ def friendly(fn):
     return wrapper
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from delft import __version__
+
+        console.print(f"delft {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print delft's version and exit.")):
+    pass
+
+
 @app.command()
 @friendly
 def train(

@@ -99,19 +99,14 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
             raise UserError(f"data file {source} does not exist", f"{where}.source", "Check the path.")
         if path.stat().st_size == 0:
             raise UserError(f"data file {source} is empty", f"{where}.source", "Give a file with at least one row.")
-        text = _read_text(path, where) if path.suffix.lower() in (".json", ".jsonl", ".csv") else None
-        if cfg.format == "svamp" or (path.suffix.lower() == ".json" and text.lstrip().startswith("[")):
-            try:
-                rows = json.loads(text if text is not None else _read_text(path, where))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{source} is not valid JSON (line {e.lineno}: {e.msg})", f"{where}.source",
-                                "Fix the file.") from None
-            if not isinstance(rows, list):
-                raise UserError(f"{source} must hold a JSON list of objects", f"{where}.source", "Fix the file.")
-            return rows, path.name
-        if path.suffix.lower() == ".jsonl":
-            return _read_jsonl(path, text), path.name
-        loader = LOCAL_LOADERS.get(path.suffix.lower())
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            return _read_jsonl(path, _read_text(path, where), where), path.name
+        if suffix == ".json" or (cfg.format == "svamp" and suffix not in LOCAL_LOADERS):  # SVAMP.json, renamed
+            return _read_json(path, _read_text(path, where), where), path.name
+        if suffix == ".csv":
+            _read_text(path, where)  # a non-UTF-8 byte named by line before the csv reader sees it
+        loader = LOCAL_LOADERS.get(suffix)
         if loader is None:
             raise UserError(f"unsupported data file type {path.suffix!r}", f"{where}.source",
                             "Use .jsonl, .json, .csv or .parquet.")
@@ -144,7 +139,51 @@ def _read_text(path: Path, where: str) -> str:
                         "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or fix that line.") from None
 
 
-def _read_jsonl(path: Path, text: str) -> list[dict]:
+RECORD_HINT = 'one object per record, e.g. {"prompt": "2 + 3 =", "completion": "5"}'
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words ("a JSON object", "a number", ...)."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "true/false"
+    return "null" if value is None else "a number"
+
+
+def _read_json(path: Path, text: str, where: str) -> list[dict]:
+    """A .json data file: a JSON list of records (objects). JSON Lines under a .json name are read as JSON Lines;
+    valid JSON of another shape (an object, a list of numbers, a string) is refused by name."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and not text.lstrip().startswith("["):  # one object per line, named .json
+            return _read_jsonl(path, text, where)
+        raise UserError(f"{path.name} is not valid JSON (line {e.lineno}: {e.msg})", f"{where}.source",
+                        "Fix the file.") from None
+    fix = f"Write a JSON list of records ([{{...}}, {{...}}], {RECORD_HINT}), or one record per line in a .jsonl file."
+    if not isinstance(data, list):
+        keys = f" (keys: {', '.join(map(str, list(data)[:5]))})" if isinstance(data, dict) else ""
+        lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
+        if lists:
+            fix = f"If the records are the list under {lists[0]!r}, write that list alone to the file. " + fix
+        raise UserError(f"{path.name} holds {_json_kind(data)}{keys}, not a list of records", f"{where}.source", fix)
+    if not data:
+        raise UserError(f"{path.name} is an empty list: it holds no records", f"{where}.source",
+                        "Give a file with at least one record.")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise UserError(f"{path.name} item {i + 1} is {_json_kind(row)} ({json.dumps(row)[:40]}), not a "
+                            "record (a JSON object)", f"{where}.source", fix)
+    return data
+
+
+def _read_jsonl(path: Path, text: str, where: str = "data") -> list[dict]:
+    """JSON Lines: one record (a JSON object) per line; blank lines are skipped."""
     rows = []
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
@@ -152,13 +191,14 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", "data.source",
+            raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", f"{where}.source",
                             "Fix or remove that line.") from None
         if not isinstance(row, dict):
-            raise UserError(f"{path.name} row {lineno} is not a JSON object", "data.source", "Fix that line.")
+            raise UserError(f"{path.name} row {lineno} is {_json_kind(row)} ({line.strip()[:40]}), not a record "
+                            "(a JSON object)", f"{where}.source", f"Write {RECORD_HINT}, on each line.")
         rows.append(row)
     if not rows:
-        raise UserError(f"data file {path} has no rows", "data.source", "Give a file with at least one row.")
+        raise UserError(f"data file {path} has no rows", f"{where}.source", "Give a file with at least one row.")
     return rows
 
 

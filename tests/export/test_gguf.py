@@ -75,6 +75,27 @@ def test_modelfile_skips_a_template_it_cannot_translate(tiny_tokenizer):
     assert text == "FROM ./m-q8_0.gguf\n" and "not ChatML" in notes[0]
 
 
+def test_modelfile_prompts_as_the_run_trained_and_decodes_as_delft_evaluated(tiny_tokenizer, tmp_path,
+                                                                             tiny_model_dir):
+    """A run trained on plain prompts gets a plain template and delft's plain stops; a run with its own system
+    prompt gets that one, not the tokenizer's default; both decode greedily for eval.max_new_tokens tokens."""
+    from helpers import recipe_file
+
+    from delft.recipe import load_recipe
+
+    tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.chat_template = CHATML
+    plain = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="plain", data={"template": "plain"},
+                                    eval={"max_new_tokens": 17}))
+    text, notes = ollama_modelfile(tok, "m-f16.gguf", recipe=plain)
+    assert 'TEMPLATE """{{ .Prompt }}\n"""' in text and "<|im_start|>" not in text and not notes
+    assert r'PARAMETER stop "\n\n"' in text and "PARAMETER temperature 0" in text  # escaped, as Go quotes it and "PARAMETER num_predict 17" in text
+    chat = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="chat",
+                                   data={"template": "chat", "system_prompt": "Answer with a number."}))
+    text, _ = ollama_modelfile(tok, "m-f16.gguf", recipe=chat)
+    assert 'SYSTEM """Answer with a number."""' in text and "Be brief." not in text and "<|im_start|>" in text
+
+
 def _sdist(path: Path, members: dict) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         for name, data in members.items():
