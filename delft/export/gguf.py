@@ -285,7 +285,7 @@ def convert_lora(converter: Path, run_dir: Path, base_dir: Path, dest: Path) -> 
 def quantize(src: Path, dest: Path, gguf_type: str) -> None:
     """llama.cpp's quantiser, in a subprocess: it logs hundreds of lines to the C stderr."""
     with _new_file(dest) as tmp:
-        here = str(Path(__file__).resolve().parents[1])  # this delft, whatever else is installed
+        here = str(Path(__file__).resolve().parents[2])  # the checkout holding this delft, whatever else is installed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run([sys.executable, "-m", "delft.export.gguf", "quantize", str(src), str(tmp), gguf_type],
                               capture_output=True, text=True, env=env)

@@ -62,6 +62,7 @@ def start(device_pref: str) -> None:
 
     if dist.is_initialized():
         return
+    _die_with_the_launcher()
     device = resolve_device(device_pref)
     if device == "cuda":
         torch.cuda.set_device(local_rank())  # "cuda" (and nf4's device_map) now mean this rank's GPU
@@ -71,6 +72,22 @@ def start(device_pref: str) -> None:
 
     atexit.register(stop)
     _interrupt_once()
+
+
+def _die_with_the_launcher() -> None:
+    """On Linux, have the kernel kill this worker when its parent (the launcher's agent) dies, even by SIGKILL,
+    so a killed launcher never leaves workers training on. The last checkpoint is intact (written whole)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def _interrupt_once() -> None:

@@ -229,3 +229,33 @@ def test_cli_plan_takes_a_world_size(tmp_path, tiny_model_dir):
     r = run_cli("recipe", "check", str(recipe_file(tmp_path, tiny_model_dir)), "--plan", "--world-size", "4")
     assert r.exit_code == 0, r.output
     assert "per GPU of 4 processes" in r.output
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_worker_behind(tmp_path, tiny_model_dir):
+    """kill -9 of torchrun's launcher: its workers die with it (they asked the kernel to), none trains on."""
+    from delft.rundir import checkpoints
+
+    recipe = recipe_file(tmp_path, tiny_model_dir, name="orphans", train={"max_steps": 100000, "save_steps": 2,
+                                                                          "eval_steps": 100000})
+    proc = torchrun(recipe)
+    wait_for(lambda: len(checkpoints(tmp_path / "orphans")) > 0, proc, "a checkpoint")
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and any(Path(f"/proc/{w}").exists() and _alive(w) for w in workers):
+        time.sleep(0.5)
+    left = [w for w in workers if Path(f"/proc/{w}").exists() and _alive(w)]
+    for w in left:  # do not leave them to the rest of the suite
+        os.kill(w, signal.SIGKILL)
+    assert not left, "workers outlived the launcher"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
