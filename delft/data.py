@@ -139,7 +139,7 @@ def _read_text(path: Path, where: str) -> str:
                         "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or fix that line.") from None
 
 
-RECORD_HINT = 'one object per record, e.g. {"prompt": "2 + 3 =", "completion": "5"}'
+RECORD = '{"prompt": "2 + 3 =", "completion": "5"}'  # a record, as the refusals show one
 
 
 def _json_kind(value: Any) -> str:
@@ -165,7 +165,7 @@ def _read_json(path: Path, text: str, where: str) -> list[dict]:
             return _read_jsonl(path, text, where)
         raise UserError(f"{path.name} is not valid JSON (line {e.lineno}: {e.msg})", f"{where}.source",
                         "Fix the file.") from None
-    fix = f"Write a JSON list of records ([{{...}}, {{...}}], {RECORD_HINT}), or one record per line in a .jsonl file."
+    fix = f"Give a JSON list with one object per record, [{RECORD}, ...], or a .jsonl file with one per line."
     if not isinstance(data, list):
         keys = f" (keys: {', '.join(map(str, list(data)[:5]))})" if isinstance(data, dict) else ""
         lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
@@ -194,8 +194,12 @@ def _read_jsonl(path: Path, text: str, where: str = "data") -> list[dict]:
             raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", f"{where}.source",
                             "Fix or remove that line.") from None
         if not isinstance(row, dict):
+            fix = f"Write one object per line, e.g. {RECORD}."
+            if isinstance(row, list):
+                fix = ("A whole JSON list belongs in a .json file; in a .jsonl file write one object per line, "
+                       f"e.g. {RECORD}.")
             raise UserError(f"{path.name} row {lineno} is {_json_kind(row)} ({line.strip()[:40]}), not a record "
-                            "(a JSON object)", f"{where}.source", f"Write {RECORD_HINT}, on each line.")
+                            "(a JSON object)", f"{where}.source", fix)
         rows.append(row)
     if not rows:
         raise UserError(f"data file {path} has no rows", f"{where}.source", "Give a file with at least one row.")

@@ -151,6 +151,33 @@ def test_inspect_refuses_a_target_in_other_digits(tiny_model_dir):
         refused(run_cli("inspect", "--model", tiny_model_dir, "--target", target, PROMPT), "digits 0-9", "--target")
 
 
+def test_inspect_refuses_a_prompt_past_the_models_context_before_generating(tiny_model_dir, monkeypatch):
+    """The tiny model's max_position_embeddings is 512 (one token a character); a longer prompt used to generate
+    on past the model's positions (minutes on a real model, printing nothing)."""
+    from types import SimpleNamespace
+
+    import delft.inspection.command as command
+    from delft.inspection.records import check_context
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated although the prompt does not fit")
+
+    monkeypatch.setattr(command, "greedy_answer", no_generation)
+    long_prompt = "1 + 1 " * 100  # 600 characters: 600 prompt tokens and more with the chat template
+    refused(run_cli("inspect", "--model", tiny_model_dir, long_prompt), "context of 512 tokens",
+            "--max-new-tokens is 32", "max_position_embeddings", "Shorten the prompt to 480 tokens or fewer")
+    refused(run_cli("inspect", "--model", tiny_model_dir, "--target", "12", long_prompt), "context of 512 tokens",
+            "the --target answer is 2", "Shorten the prompt to 510 tokens or fewer")
+    refused(run_cli("inspect", "--model", tiny_model_dir, "--max-new-tokens", "600", PROMPT),
+            "--max-new-tokens is 600", "Pass --max-new-tokens")
+    near = "x" * 470  # fits alone; with 40 new tokens it does not: both fixes are offered, with their numbers
+    r = run_cli("inspect", "--model", tiny_model_dir, "--max-new-tokens", "40", near)
+    n = int(" ".join(r.output.split()).split("the prompt is ")[1].split(" ")[0])
+    refused(r, f"{n + 40} tokens, more than", f"Shorten the prompt to 472 tokens or fewer, or pass --max-new-tokens "
+            f"{512 - n} or fewer")
+    check_context(SimpleNamespace(config=SimpleNamespace()), 10_000, 32, "m", False)  # no max_position_embeddings
+
+
 # ------------------------------------------------------------------------------------------- export
 
 

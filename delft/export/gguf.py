@@ -183,15 +183,19 @@ def _local_base(run_dir: Path) -> Optional[Path]:
 
 def ensure_converter() -> Path:
     """llama.cpp's converter scripts from the pinned llama-cpp-python sdist, extracted once into the cache."""
-    from delft.models.sources import cache_dir
+    from delft.models.sources import cache_dir, cache_error, usable_cache_dir
 
     target = cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}"
     if _converter_complete(target):
         return target
+    usable_cache_dir(target)  # a read-only cache is refused by name before the download
     with tempfile.TemporaryDirectory(prefix="delft-llama-cpp-") as tmp:
         sdist = Path(os.environ.get(SDIST_ENV) or _download_sdist(Path(tmp)))
-        with staged(target, shared=_converter_complete) as staging:  # another delft may extract it too
-            _extract_converter(sdist, staging)
+        try:
+            with staged(target, shared=_converter_complete) as staging:  # another delft may extract it too
+                _extract_converter(sdist, staging)
+        except OSError as e:
+            raise cache_error(target.parent, e) from None
     return target
 
 

@@ -205,11 +205,6 @@ def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, cons
                           f"tokenizer {'agrees' if f.tokens_match else 'DIFFERS'}", highlight=False)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) in (4, 5):
-        sys.exit(_child(sys.argv[1:]))
-    sys.exit("usage: python -m delft.export.gguf_check GGUF INPUTS.json OUTPUTS.npz [LORA]")
-
 
 # Normalised squared error of llama.cpp's logits against transformers' fp32 merged model, per type.
 #  f32/f16/bf16: the merged model's own weights, or within a 16-bit rounding of them; what is left is llama.cpp's
@@ -242,3 +237,9 @@ class GgufFile:
     greedy_reference: str = ""  # transformers'
     tokens_match: Optional[bool] = None  # llama.cpp's tokenizer gives the HF token ids on the check texts
     passed: Optional[bool] = None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) in (4, 5):
+        sys.exit(_child(sys.argv[1:]))
+    sys.exit("usage: python -m delft.export.gguf_check GGUF INPUTS.json OUTPUTS.npz [LORA]")

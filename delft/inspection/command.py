@@ -32,6 +32,7 @@ from delft.inspection.records import (
     InspectResult,
     ModelView,
     PositionRecord,
+    check_context,
     check_target,
     compute_records,
     greedy_answer,
@@ -107,7 +108,7 @@ def _first_answer(lm, tok, vocab, spec: _Spec, prompt: str, prompt_text: str, ta
 def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], max_new_tokens: int, n_models: int,
                    result: Optional[InspectResult], first_vocab: Optional[dict]):
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
-    from delft.data import Example, render_prompt, use_chat_template
+    from delft.data import Example, prompt_ids, render_prompt, use_chat_template
     from delft.models.loading import using_model
 
     with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
@@ -115,6 +116,8 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
         vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
         chat = use_chat_template(tok, cfg.data)
         prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
+        n_answer = max_new_tokens if target_text is None else len(tok.encode(target_text, add_special_tokens=False))
+        check_context(loaded.model, len(prompt_ids(tok, prompt_text)), n_answer, spec.name, target_text is not None)
         own = None
         if result is None:
             result, ids = _first_answer(loaded.model, tok, vocab, spec, prompt, prompt_text, target_text,

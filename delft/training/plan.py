@@ -350,15 +350,19 @@ def _config(path: Path) -> dict:
 
 
 def with_number_tokens(config: dict, source: str) -> tuple[dict, str]:
-    """(config with its tokenizer's number-token count under NUMBER_TOKENS, a note when that is a guess).
+    """(config with its tokenizer's number-token count under NUMBER_TOKENS, a note saying where it came from).
 
-    The count comes from the tokenizer.json beside config.json (delft.numbers.tokens, without torch); 10 (single
-    digits) where there is none or where the tokenizer is refused (then `delft train` refuses it too)."""
+    The count comes from the tokenizer.json beside config.json (delft.numbers.tokens, without torch); without one,
+    from a NUMBER_TOKENS key the user wrote into the config (planning offline from a config.json alone); else 10
+    (single digits), also where the tokenizer is refused (then `delft train` refuses it too)."""
     from delft.numbers.tokens import NumberVocab
 
     path = Path(source).with_name("tokenizer.json") if Path(source).is_file() else None
     if path is None or not path.is_file():
-        return config, "number tokens: no tokenizer.json beside the config, so single digits (10 rows) are assumed"
+        if isinstance(config.get(NUMBER_TOKENS), int) and config[NUMBER_TOKENS] > 0:  # written by the user
+            return config, f"number tokens: {config[NUMBER_TOKENS]:,}, from {NUMBER_TOKENS} in the config"
+        return config, (f"number tokens: no tokenizer.json beside the config, so single digits (10 rows) are assumed "
+                        f"(Llama-3: copy its tokenizer.json there, or add \"{NUMBER_TOKENS}\": 1110 to the config)")
     try:
         count = len(NumberVocab.from_tokenizer_file(path).ids)
     except UserError as e:
@@ -568,4 +572,26 @@ def run_plan(recipe, gpu_memory: Optional[str], console, world_size: int = 1) ->
     for k in result["knobs"]:
         k["total"] += est.get("nccl_buffers", 0)
     _print_knobs(console, result["knobs"])
-    return result
+    raise PlanDoesNotFit(result, gpu_memory)
+
+
+class PlanDoesNotFit(UserError):
+    """``run_plan``'s refusal (exit 2) once the table and the knobs are printed: the run does not fit
+    --gpu-memory. ``plan`` is what run_plan would have returned (components, budget, knobs)."""
+
+    def __init__(self, plan: dict, gpu_memory: str):
+        self.plan = plan
+        total, budget = plan["components"]["total"], plan["budget"]
+        knob = next((k for k in plan["knobs"] if k["saves"] is not None and k["to"] != "together"
+                     and "." in k["knob"] and " " not in k["knob"]), None)
+        if knob is not None:
+            value = str(knob["to"]).lower() if isinstance(knob["to"], bool) else knob["to"]
+            fix = (f"Turn one of the settings listed above (e.g. --set {knob['knob']}={value}) and plan again, or "
+                   "plan for a GPU with more memory.")
+        elif any(k["saves"] is not None for k in plan["knobs"]):
+            fix = "Turn the settings listed above and plan again, or plan for a GPU with more memory."
+        else:
+            fix = "Use a smaller model or a GPU with more memory."
+        super().__init__(f"the run does not fit: {total / GiB:.2f} GiB planned per GPU, {(total - budget) / GiB:.2f} "
+                         f"GiB more than --gpu-memory {gpu_memory} ({budget / GiB:.2f} GiB)", "recipe check --plan",
+                         fix)

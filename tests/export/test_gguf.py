@@ -137,6 +137,18 @@ def test_prepare_refuses_before_any_download(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "unknown GGUF type" in res.output
 
 
+def test_a_read_only_cache_is_refused_before_the_converter_is_fetched(tmp_path, monkeypatch):
+    from helpers import read_only_dir
+
+    from delft.export.gguf import ensure_converter
+
+    monkeypatch.setenv("DELFT_LLAMA_CPP_SDIST", str(tmp_path / "absent.tar.gz"))  # a download would fail loudly
+    with read_only_dir(tmp_path / "cache") as cache:
+        monkeypatch.setenv("DELFT_CACHE", str(cache))
+        with pytest.raises(UserError, match="DELFT_CACHE.*cannot be used"):
+            ensure_converter()
+
+
 # ----------------------------------------------------------------------------- slow: SmolLM2 through llama.cpp
 
 

