@@ -138,9 +138,20 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str
     write_figure(fig, path, flag)
 
 
+def teacher_table(results: Sequence[ModelResult], title: str) -> Table:
+    """The teacher-forced table (each result's ``teacher_metrics``; same layout as the main one)."""
+    from delft.evaluation.teacher_forced import teacher_rows
+
+    table = _table(results, title, teacher_rows([r.teacher_metrics for r in results]))
+    table.caption = ("at each digit of the gold completion: argmax among the ten digits, full-vocabulary argmax, "
+                     "CE over the ten digit logits; non-digit CE / perplexity: every other completion token")
+    table.caption_justify = "left"
+    return table
+
+
 def print_teacher(results: Sequence[ModelResult], include_base: bool, resamples: int, console: Console) -> None:
-    """The teacher-forced table (same layout as the main one) and each run's differences from the base."""
-    from delft.evaluation.teacher_forced import difference_line, teacher_differences, teacher_rows
+    """The teacher-forced table and each run's differences from the base."""
+    from delft.evaluation.teacher_forced import difference_line, teacher_differences
 
     if include_base:
         for r in results[1:]:
@@ -148,10 +159,6 @@ def print_teacher(results: Sequence[ModelResult], include_base: bool, resamples:
     first = results[0].teacher_metrics
     title = (f"teacher-forced on the gold completions of {first['n_examples']} problems"
              + (f" ({first['truncated']} truncated at data.max_length)" if first["truncated"] else ""))
-    table = _table(results, title, teacher_rows([r.teacher_metrics for r in results]))
-    table.caption = ("at each digit of the gold completion: argmax among the ten digits, full-vocabulary argmax, "
-                     "CE over the ten digit logits; non-digit CE / perplexity: every other completion token")
-    table.caption_justify = "left"
-    console.print(table)
+    console.print(teacher_table(results, title))
     for r in results[1:] if include_base else []:
         console.print(difference_line(r.name, r.teacher_vs_base))

@@ -100,19 +100,36 @@ def run_dir_for(recipe: Recipe, name: str, seed: int) -> Path:
     return Path(recipe.output.dir).parent / f"{name}-seed{seed}"
 
 
-def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console: Console) -> list[Contender]:
-    """Load the recipes, drop shared bases, and refuse any that differ in more than their loss."""
+# How compare and study (which shares this code) say where recipes are given, and how to give seeds.
+_RECIPE_HINTS = {
+    "delft compare": {"missing": "Check the path.", "seeds": "use --seed", "more": "(e.g. recipes/compare/*.yaml)"},
+    "delft study": {"missing": "Check the path: a study file's recipes are relative to the study file.",
+                    "seeds": "give it several seeds (seeds: [0, 1, 2])", "more": "(under recipes: in the study file)"},
+}
+
+
+def _unique_paths(paths: Sequence[Path], command: str, where: str) -> list[Path]:
+    hints = _RECIPE_HINTS[command]
     if not paths:
-        raise UserError("no recipes given", "delft compare", "e.g. delft compare recipes/compare/*.yaml")
+        raise UserError("no recipes given", where, f"Give two or more recipes {hints['more']}.")
     unique: list[Path] = []
     for p in map(Path, paths):
         if not p.is_file():
-            raise UserError(f"recipe file {p} does not exist", "delft compare", "Check the path.")
+            raise UserError(f"recipe file {p} does not exist", where, hints["missing"])
         twin = next((q for q in unique if p.resolve() == q.resolve()), None)
         if twin is not None:
-            raise UserError(f"{p} is given twice ({twin} is the same file)", "delft compare",
-                            "Give each recipe once; to train one recipe several times, use --seed.")
+            raise UserError(f"{p} is given twice ({twin} is the same file)", where,
+                            f"Give each recipe once; to train one recipe several times, {hints['seeds']}.")
         unique.append(p)
+    return unique
+
+
+def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console: Console,
+                       command: str = "delft compare", where: Optional[str] = None) -> list[Contender]:
+    """Load the recipes, drop shared bases, and refuse any that differ in more than their loss. ``command``
+    (delft compare or delft study) words the refusals, ``where`` (default: the command) places them."""
+    where = where or command
+    unique = _unique_paths(paths, command, where)
     bases = {b.resolve() for p in unique for b in recipe_chain(p)[1:]}
     contenders = []
     for p in unique:
@@ -121,15 +138,15 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             continue
         contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
     if len(contenders) < 2:
-        raise UserError(f"compare needs at least two recipes to compare, got {len(contenders)} "
-                        f"({', '.join(str(c.path) for c in contenders)})", "delft compare",
-                        "Give two or more recipes that differ in their loss (e.g. recipes/compare/*.yaml); "
-                        "to train one recipe, use delft train.")
+        raise UserError(f"{command.split()[-1]} needs at least two recipes to compare, got {len(contenders)} "
+                        f"({', '.join(str(c.path) for c in contenders)}; a recipe the others extend is their "
+                        "shared base, not a run)", where, "Give two or more recipes that differ in their loss "
+                        f"{_RECIPE_HINTS[command]['more']}; to train one recipe, use delft train.")
     names = [c.name for c in contenders]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise UserError(f"recipes share the name {', '.join(dup)} (their runs would share a directory)",
-                        "delft compare", "Give each compared recipe a distinct file name.")
+                        where, "Give each compared recipe a distinct file name.")
     first = contenders[0]
     ref = _comparable(first.recipe)
     problems = []
@@ -140,14 +157,14 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
                 problems.append(f"{key} ({first.path.name}: {ref.get(key)!r}, {c.path.name}: {other.get(key)!r})")
     if problems:
         raise UserError("the recipes differ in more than their loss section: " + "; ".join(problems),
-                        "delft compare", "Move the shared settings into one base recipe (base: base.yaml) and "
+                        where, "Move the shared settings into one base recipe (base: base.yaml) and "
                         "let each recipe set only loss: (and output.dir).")
     for i, a in enumerate(contenders):
         for b in contenders[i + 1:]:
             if a.recipe.loss == b.recipe.loss:
                 raise UserError(f"{a.path} and {b.path} resolve to the same loss ({a.recipe.loss.type}, weight "
                                 f"{a.recipe.loss.weight:g}): they would train the same run twice",
-                                "delft compare", "Drop one of them.")
+                                where, "Drop one of them.")
     return contenders
 
 
@@ -211,8 +228,8 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
             console.print(f"[yellow]{run_dir}: stopped before its first checkpoint; starting it again[/]")
             force = True
         else:
-            raise UserError(f"{run_dir} exists and is not a delft run", "delft compare",
-                            "Move it away (compare keeps its runs beside the recipes' output.dir).")
+            raise UserError(f"{run_dir} exists and is not a delft run", where,
+                            f"Move it away ({where.split()[-1]} keeps its runs beside the recipes' output.dir).")
     console.rule(f"[bold]{run_dir.name}[/]: training ({cfg.loss.type}, seed {cfg.train.seed})")
     start = time.perf_counter()
     run_training(cfg, resume=None, force=force, console=console, resume_command=command)
@@ -313,7 +330,7 @@ def _seed_means(columns: list[Column], contenders: Sequence[Contender], seeds: S
 
 
 def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict], seeds: Sequence[int],
-                 ref_name: str, console: Console, tables: Console) -> None:
+                 ref_name: str, console: Console, tables: Console, command: str = "delft compare") -> None:
     """One table per seed (base and each recipe), then the seed means, to the terminal and tables.txt."""
     from delft.evaluation.report import render_table
     from delft.evaluation.scoring import ModelResult
@@ -330,13 +347,13 @@ def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict
         results = [ModelResult(c.recipe_name or "base", c.adapter, metrics=c.result.metrics) for c in cols]
         notes = [_diff_line(f"{c.recipe_name} vs {ref_name} (seed {seed})", c.vs_reference)
                  for c in cols[1:] if c.vs_reference]
-        show(f"delft compare, {key}: {heading}, training seed {seed}", results, notes)
+        show(f"{command}, {key}: {heading}, training seed {seed}", results, notes)
     if means:
         results = [ModelResult("base", None, metrics=columns[0].result.metrics)] + [
             ModelResult(f"{m['name']} (mean)", None, metrics=m["metrics"]) for m in means]
         notes = [_diff_line(f"{m['name']} vs {ref_name} (mean of seeds)", m["vs_reference"])
                  for m in means if m["vs_reference"]]
-        show(f"delft compare, {key}: mean over training seeds {', '.join(map(str, seeds))} (CI: bootstrap over "
+        show(f"{command}, {key}: mean over training seeds {', '.join(map(str, seeds))} (CI: bootstrap over "
              "problems of the seed-averaged score)", results, notes)
 
 
@@ -386,12 +403,13 @@ def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns
 
 def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
                  seeds: list[int], runs: dict[tuple[str, int], Path], console: Console,
-                 tables: Console) -> tuple[dict, list]:
-    """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows)."""
+                 tables: Console, command: str = "delft compare", loaded: Optional[tuple] = None) -> tuple[dict, list]:
+    """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows).
+    ``loaded`` is the set's (problems, skipped) when the caller loaded them already (study, before training)."""
     from delft.evaluation.problems import describe_source, load_problems
     from delft.evaluation.scoring import evaluate_models
 
-    problems, skipped = load_problems(data_cfg, console)
+    problems, skipped = loaded if loaded is not None else load_problems(data_cfg, console)
     heading = f"{len(problems)} problems from {describe_source(data_cfg)}"
     columns = _columns(contenders, seeds, runs)
     console.rule(f"[bold]{key}[/]: {heading}")
@@ -405,7 +423,7 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
     boot = recipe_cfg.eval.bootstrap
     _pair_up(columns, ref_name, boot)
     means = _seed_means(columns, contenders, seeds, ref_name, boot)
-    _show_tables(key, heading, columns, means, seeds, ref_name, console, tables)
+    _show_tables(key, heading, columns, means, seeds, ref_name, console, tables, command)
     section = _section(data_cfg, recipe_cfg, problems, skipped, columns, means, contenders, ref_name, seconds)
     return section, _plot_results(columns, means, seeds)
 

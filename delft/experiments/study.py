@@ -9,13 +9,15 @@ teacher-forced on the gold completions (digit accuracy per place, digit CE, non-
 seeds (each problem's score averaged over the seeds first, so a problem is resampled once), reported with the
 smallest difference the comparison could detect. ``out`` gets ``study.json`` (settings, training, every
 prediction), ``summary.md``, ``tables.txt`` and one plot per set; earlier results there are refused before any
-training unless ``--force``, which replaces them as a set (compare's ``check_results_out``).
+training unless ``--force``, which replaces them as a set (compare's ``check_results_out``). Every eval set is
+read and checked (``load_sets``) before the first training step, so a set that cannot be scored is refused then.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -30,15 +32,18 @@ from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, describe_
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
-
-
+HUB_SPLIT = "test"  # the split a hub eval set reads unless its `split` says otherwise
 
 
 class EvalSet(Section):
     source: str = Field("synthetic", description="'synthetic' (the recipes' held-out generator, changed by "
-                                                 "`synthetic`) or a data file; a relative file is looked up in --data-dir.")
+                                                 "`synthetic`), a data file (a relative file is looked up in "
+                                                 "--data-dir) or a hub dataset id.")
     format: Optional[Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp"]] = Field(
-        None, description="How a file's rows map to question and answer (required with a file).")
+        None, description="How a file's or hub dataset's rows map to question and answer (required with either).")
+    split: Optional[str] = Field(None, min_length=1, description=f"Split of a hub dataset (default: '{HUB_SPLIT}', "
+                                 "the split a dataset is usually evaluated on; the recipes' data.split is their "
+                                 "training split). Files and synthetic sets have none.")
     limit: int = Field(..., gt=0, description="Evaluate the first N problems.")
     mode: Literal["greedy", "teacher_forced"] = Field(
         "greedy", description="Generate answers and score them, or score the gold completion token by token.")
@@ -107,6 +112,7 @@ def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -
     if spec.source == "synthetic":
         if spec.format not in (None, "synthetic"):
             raise UserError(f"a synthetic set has no format (got {spec.format!r})", where, "Drop format.")
+        _no_split(spec, "a synthetic set", where)
         try:
             fields["synthetic"] = SyntheticConfig.model_validate({**fields["synthetic"], **spec.synthetic})
         except ValidationError as e:
@@ -122,40 +128,110 @@ def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -
                             "e.g. format: gsm8k (or svamp, prompt_completion, ...).")
         fields.update(source=_data_file(spec.source, data_dir, f"{where}.source"), format=spec.format)
         fields["synthetic"] = SyntheticConfig()
+        if Path(fields["source"]).is_file():  # _data_file refused missing files: anything else is a hub id
+            _no_split(spec, f"a data file ({fields['source']})", where)
+        else:
+            fields["split"] = spec.split or HUB_SPLIT
     return disjoint_from_training(DataConfig.model_validate(fields), cfg.data)
+
+
+def _no_split(spec: EvalSet, what: str, where: str) -> None:
+    if spec.split is not None:
+        raise UserError(f"{what} has no split (got split: {spec.split}); split names the part of a hub dataset to "
+                        "evaluate", f"{where}.split", "Drop split, or give a hub dataset id as source.")
 
 
 def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_dir: Optional[Path], console: Console):
     """compare's contenders (same settings but the loss), their data files looked up in --data-dir."""
     from delft.experiments.compare import resolve_contenders
 
-    contenders = resolve_contenders([path.parent / r for r in study.recipes], overrides, console)
+    contenders = resolve_contenders([path.parent / r for r in study.recipes], overrides, console, "delft study",
+                                    f"{path}: recipes")
     for c in contenders:
         if c.recipe.data.source != "synthetic" and not Path(c.recipe.data.source).is_file():
             c.recipe.data.source = _data_file(c.recipe.data.source, data_dir, f"{c.path}: data.source")
     return contenders
 
 
+def _in_study(err: UserError, name: str, path: Path) -> UserError:
+    """A data error placed at the study file's eval set (evals.NAME, evals.NAME.source, ...), not at the recipe
+    keys (eval.data, data.source) the shared loader names."""
+    key = f"evals.{name}"
+    recipe_key = r"(?<![\w.])(?:eval\.)?data(?=\.\w|$)"
+    where = re.sub(recipe_key, key, err.where or "data")
+    return UserError(err.what, f"{path}: {where}", re.sub(recipe_key, key, err.fix) if err.fix else None)
+
+
+def load_sets(sets: dict[str, DataConfig], path: Path, console: Console) -> dict[str, tuple[list, int]]:
+    """Every eval set's problems, read and checked (a file that parses, numeric answers, a hub dataset that can be
+    reached) before the first training step: (problems, skipped) by set."""
+    from delft.evaluation.problems import load_problems
+
+    loaded = {}
+    for name, data_cfg in sets.items():
+        try:
+            loaded[name] = load_problems(data_cfg, console)
+        except UserError as e:
+            raise _in_study(e, name, path) from None
+    return loaded
+
+
 def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, base: str, contenders, seeds,
-                runs, console: Console, tables: Console) -> tuple[dict, list]:
+                runs, console: Console, tables: Console, loaded: tuple) -> tuple[dict, list]:
     from delft.experiments.compare import evaluate_set
 
     rcfg = cfg0.model_copy(deep=True)
     rcfg.eval.max_new_tokens = spec.max_new_tokens
-    section, plotted = evaluate_set(key, data_cfg, rcfg, base, contenders, seeds, runs, console, tables)
+    section, plotted = evaluate_set(key, data_cfg, rcfg, base, contenders, seeds, runs, console, tables,
+                                    "delft study", loaded)
     section["settings"]["mode"] = "greedy"
     return section, plotted
 
 
+def _teacher_line(name: str, ref: str, label: str, diff: dict) -> str:
+    """``name``'s teacher-forced differences from ``ref`` (on one seed, or the seed means), with 95 % intervals."""
+    from delft.evaluation.teacher_forced import difference_line
+
+    parts = difference_line(name, diff).partition(": ")[2]  # its metrics; the line itself says "vs base"
+    return f"{name} vs {ref} ({label}, teacher-forced, paired bootstrap): {parts}"
+
+
+def _show_teacher(key: str, section: dict, seeds: Sequence[int], console: Console, tables: Console) -> None:
+    """A teacher-forced set's tables, as the greedy sets': one per training seed (base and each recipe's run),
+    then the seed means, each with the differences from the reference; on the screen and in tables.txt."""
+    from delft.evaluation.report import teacher_table
+    from delft.evaluation.scoring import ModelResult
+
+    st, models = section["settings"], section["models"]
+    ref, first = st["reference"], models[0]["metrics"]
+    heading = f"delft study, {key}: {st['n']} gold completions, teacher-forced" + (
+        f" ({first['truncated']} truncated at data.max_length)" if first["truncated"] else "")
+    groups = [(f"training seed {s}", f"seed {s}", [(m["recipe"], m["recipe"], m) for m in models[1:]
+                                                    if m["seed"] == s]) for s in seeds]
+    if len(seeds) > 1:
+        groups.append((f"mean over training seeds {', '.join(map(str, seeds))} (CI: bootstrap over problems of the "
+                       "seed-averaged score)", "mean of seeds",
+                       [(m["name"], f"{m['name']} (mean)", m) for m in section["means"]]))
+    for what, label, cols in groups:
+        results = [ModelResult("base", None, teacher_metrics=first)] + [
+            ModelResult(column, None, teacher_metrics=m["metrics"]) for _, column, m in cols]
+        notes = [_teacher_line(name, ref, label, m["vs_reference"]) for name, _, m in cols if m["vs_reference"]]
+        for target in (console, tables):
+            target.print(teacher_table(results, f"{heading}, {what}"))
+            for line in notes:
+                target.print(line, highlight=False)
+            target.print()
+
+
 def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, contenders, seeds, runs,
-                 console: Console) -> tuple[dict, list]:
+                 console: Console, loaded: tuple) -> tuple[dict, list]:
     """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
-    from delft.evaluation.problems import BOOTSTRAP_SEED, load_problems, settings_block
+    from delft.evaluation.problems import BOOTSTRAP_SEED, settings_block
     from delft.evaluation.scoring import score_gold
     from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
     from delft.experiments.compare import reference_name
 
-    problems, skipped = load_problems(data_cfg, console)
+    problems, skipped = loaded
     console.rule(f"[bold]{key}[/]: {len(problems)} gold completions, teacher-forced")
     start = time.perf_counter()
     columns = [("base", None, None)] + [(c.name, s, runs[(c.name, s)]) for s in seeds for c in contenders]
@@ -241,6 +317,22 @@ def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> 
                        *[x for o in overrides for x in ("--set", o)]])
 
 
+def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict, cfg0: Recipe, contenders, runs,
+                  console: Console, tables: Console) -> dict[str, tuple[dict, list]]:
+    """Every eval set in turn, its tables on the screen and in ``tables``: (JSON section, what it plots) by set."""
+    base = cfg0.model.name
+    sections = {}
+    for name, spec in study.evals.items():
+        if spec.mode == "teacher_forced":
+            sections[name] = _teacher_set(name, sets[name], cfg0, base, contenders, study.seeds, runs, console,
+                                          loaded[name])
+            _show_teacher(name, sections[name][0], study.seeds, console, tables)
+        else:
+            sections[name] = _greedy_set(name, sets[name], spec, cfg0, base, contenders, study.seeds, runs,
+                                         console, tables, loaded[name])
+    return sections
+
+
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
               console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``
@@ -260,6 +352,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
                       f"{path}: out")
     cfg0 = contenders[0].for_seed(study.seeds[0])
     sets = {name: eval_data(name, spec, cfg0, data_dir) for name, spec in study.evals.items()}
+    loaded = None if train_only else load_sets(sets, path, console)  # before the first training step
     command = _command(path, data_dir, overrides)
     start = time.perf_counter()
     runs, training = train_all(contenders, study.seeds, console, command)
@@ -270,13 +363,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     base = cfg0.model.name
     check_runs([str(p) for p in runs.values()], base)
     tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
-    sections = {}
-    for name, spec in study.evals.items():
-        if spec.mode == "teacher_forced":
-            sections[name] = _teacher_set(name, sets[name], cfg0, base, contenders, study.seeds, runs, console)
-        else:
-            sections[name] = _greedy_set(name, sets[name], spec, cfg0, base, contenders, study.seeds, runs,
-                                         console, tables)
+    sections = _evaluate_all(study, sets, loaded, cfg0, contenders, runs, console, tables)
     report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path),
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},

@@ -44,6 +44,14 @@ def _pick(diff: Optional[dict], mode: str, spec: tuple) -> Optional[dict]:
     return diff.get(spec[0], {}).get(spec[1])
 
 
+def _pooled(sec: dict, seeds: list[int]) -> list[tuple[str, Optional[dict]]]:
+    """(recipe, its pooled difference from the reference): the seed means' or, with one training seed (a greedy
+    set has no seed means then), that seed's own difference."""
+    if sec["means"] or len(seeds) != 1:
+        return [(mean["name"], mean["vs_reference"]) for mean in sec["means"]]
+    return [(m["recipe"], m["vs_reference"]) for m in sec["models"] if m["seed"] == seeds[0]]
+
+
 def headline(key: str, sec: dict, seeds: list[int]) -> list[str]:
     """Per compared recipe: its difference from the reference on each seed and pooled, and the pooled MDD."""
     mode = sec["settings"]["mode"]
@@ -54,14 +62,14 @@ def headline(key: str, sec: dict, seeds: list[int]) -> list[str]:
              "| recipe | metric | " + " | ".join(f"seed {s}" for s in seeds)
              + " | pooled [95 % CI] | detectable (pooled) |",
              "|---|---|" + "---|" * (len(seeds) + 2)]
-    for mean in sec["means"]:
-        if mean["vs_reference"] is None:
+    for name, vs_ref in _pooled(sec, seeds):
+        if vs_ref is None:
             continue
         for spec in specs:
             scale, label = spec[-1], spec[-2]
-            cells = [_signed(_pick(by[(mean["name"], s)]["vs_reference"], mode, spec), scale) for s in seeds]
-            pooled = _pick(mean["vs_reference"], mode, spec)
-            lines.append(f"| {mean['name']} | {label} | " + " | ".join(cells)
+            cells = [_signed(_pick(by[(name, s)]["vs_reference"], mode, spec), scale) for s in seeds]
+            pooled = _pick(vs_ref, mode, spec)
+            lines.append(f"| {name} | {label} | " + " | ".join(cells)
                          + f" | {_signed(pooled, scale)} | {_mdd(pooled, scale)} |")
     lines.append("")
     return lines
