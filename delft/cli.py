@@ -91,15 +91,18 @@ def train(
         None, "--resume/--no-resume", help="Continue from the run's last checkpoint (default: automatic if one exists)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing run directory."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes (one per GPU), via torchrun."),
+    oversubscribe: bool = typer.Option(False, "--oversubscribe",
+                                       help="Allow more --nproc processes than GPUs (or CPU cores without GPUs)."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
     from delft.recipe import load_recipe
-    from delft.training.distributed import launched, relaunch, strip_nproc, world_size
+    from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
     from delft.training.trainer import run_training
 
     cfg = load_recipe(recipe, set_)
     if nproc > 1:
-        relaunch(nproc, strip_nproc(sys.argv[1:]))
+        check_nproc(nproc, cfg.model.device, oversubscribe)
+        relaunch(nproc, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]))
     again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
         again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"

@@ -250,6 +250,21 @@ def relaunch(nproc: int, argv: list[str]) -> None:
     os.execv(sys.executable, cmd)
 
 
+def check_nproc(nproc: int, device_pref: str, oversubscribe: bool = False) -> None:
+    """Refuse more processes than GPUs (or than CPU cores where training runs on the CPU), unless asked for:
+    extra processes share a device, which is no data parallelism and can exhaust memory."""
+    import torch
+
+    from delft.models.loading import resolve_device
+
+    on_gpu = resolve_device(device_pref) == "cuda"
+    devices = torch.cuda.device_count() if on_gpu else (os.cpu_count() or 1)
+    if nproc > devices and not oversubscribe:
+        what = f"{devices} GPU(s)" if on_gpu else f"{devices} CPU core(s) and no GPU to train on"
+        raise UserError(f"--nproc {nproc} asks for more processes than this machine has devices ({what})", "--nproc",
+                        f"Use --nproc {devices} or fewer, or add --oversubscribe to start {nproc} anyway.")
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without ``--nproc N`` / ``--nproc=N``."""
     out, skip = [], False

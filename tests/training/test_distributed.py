@@ -259,3 +259,17 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_more_processes_than_devices_are_refused_before_any_launch(tmp_path, tiny_model_dir, monkeypatch):
+    from helpers import run_cli
+
+    import delft.training.distributed as dist
+
+    monkeypatch.setattr(dist, "relaunch", lambda *a: (_ for _ in ()).throw(AssertionError("launched")))
+    recipe = recipe_file(tmp_path, tiny_model_dir, name="many", model={"device": "cpu"})
+    r = run_cli("train", recipe, "--nproc", str((os.cpu_count() or 1) + 62))
+    assert r.exit_code == 2 and "more processes than this machine has devices" in " ".join(r.output.split()), r.output
+    assert "--oversubscribe" in r.output and not (tmp_path / "many").exists()
+    with pytest.raises(AssertionError, match="launched"):  # asked for explicitly: it would launch
+        run_cli("train", recipe, "--nproc", "64", "--oversubscribe", catch_exceptions=False)
