@@ -56,8 +56,11 @@ def friendly(fn):
             if DEBUG:
                 raise
             label = "error" if isinstance(e, UserError) else "verification failed"
-            # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
-            err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            from delft.training.distributed import report_error
+
+            if not report_error(str(e), e.exit_code):  # a --nproc worker leaves it to the parent, printed once
+                # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
+                err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             if DEBUG:

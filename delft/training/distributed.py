@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from delft.errors import UserError
 
@@ -239,15 +240,67 @@ def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], consol
                     "it", "output.dir", fix)
 
 
+ERROR_FILE_ENV = "DELFT_ERROR_FILE"  # where --nproc's workers leave a user error for the parent to print once
+
+
 def relaunch(nproc: int, argv: list[str]) -> None:
-    """Replace this process by torchrun starting ``nproc`` copies of ``delft <argv>`` (argv without --nproc)."""
+    """Run torchrun starting ``nproc`` copies of ``delft <argv>`` (argv without --nproc), then exit with its status.
+
+    A user error in the workers is printed once, by this process, with exit 2, instead of once per rank plus
+    torchrun's traceback: the workers write it to ERROR_FILE_ENV and stay silent. Ctrl-C reaches torchrun and
+    its workers from the terminal; this process waits for them to save their checkpoint."""
+    import subprocess
+    import tempfile
+
     if launched():
         raise UserError("--nproc was given to a process that a launcher already started", "--nproc",
                         "Drop --nproc when using torchrun or accelerate launch.")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "delft", *argv]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set here to keep it quiet
-    os.execv(sys.executable, cmd)
+    with tempfile.TemporaryDirectory(prefix="delft-nproc-") as tmp:
+        env = {**os.environ, ERROR_FILE_ENV: str(Path(tmp) / "error"),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        stderr = _wait(proc)
+        reports = sorted(Path(tmp).glob("error.*"), key=lambda f: int(f.suffix[1:]))  # rank 0's first
+        if reports:
+            _raise_reported(reports[0])
+        if proc.returncode != 0:
+            sys.stderr.write(stderr)
+        sys.exit(proc.returncode)
+
+
+def _raise_reported(report: Path) -> None:
+    import json
+
+    from delft.errors import VerificationError
+
+    error = json.loads(report.read_text())
+    if error["exit_code"] == 2:
+        raise UserError(error["message"])
+    if error["exit_code"] == 1:
+        raise VerificationError(error["message"])
+    raise SystemExit(error["exit_code"])
+
+
+def _wait(proc) -> str:
+    """torchrun's stderr once it has exited; Ctrl-C while waiting keeps waiting (the workers are saving)."""
+    while True:
+        try:
+            return proc.communicate()[1] or ""
+        except KeyboardInterrupt:
+            continue
+
+
+def report_error(message: str, exit_code: int) -> bool:
+    """In a --nproc worker: leave the error for the parent, which prints one (rank 0's first); True when handled."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or not launched():
+        return False
+    import json
+
+    Path(f"{path}.{rank()}").write_text(json.dumps({"message": message, "exit_code": exit_code}))
+    return True
 
 
 def check_nproc(nproc: int, device_pref: str, oversubscribe: bool = False) -> None:

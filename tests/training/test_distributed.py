@@ -273,3 +273,15 @@ def test_more_processes_than_devices_are_refused_before_any_launch(tmp_path, tin
     assert "--oversubscribe" in r.output and not (tmp_path / "many").exists()
     with pytest.raises(AssertionError, match="launched"):  # asked for explicitly: it would launch
         run_cli("train", recipe, "--nproc", "64", "--oversubscribe", catch_exceptions=False)
+
+
+@pytest.mark.slow
+def test_a_user_error_under_nproc_is_printed_once_with_exit_2(tmp_path, tiny_model_dir):
+    """The workers' refusal reaches the user once, as in one process, without torchrun's traceback."""
+    (tmp_path / "taken").write_text("a file where the run directory should go")
+    recipe = recipe_file(tmp_path, tiny_model_dir, name="x", output={"dir": str(tmp_path / "taken")})
+    proc = start([sys.executable, "-m", "delft", "train", str(recipe), "--nproc", "2"])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("error:") == 1 and str(tmp_path / "taken") in out, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
