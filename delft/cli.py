@@ -195,7 +195,8 @@ def export(
         export_gguf(plan, resumed, console, resume=True)
         return
     result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
-                        device=device, force=force, console=console)
+                        device=device, force=force, console=console,
+                        gguf_bytes_per_param=plan.bytes_per_param if plan is not None else 0.0)
     if plan is not None:
         export_gguf(plan, result, console)
 

@@ -82,16 +82,18 @@ def local_param_count(path: str) -> Optional[int]:
     return total
 
 
-def check_disk(out: Path, n_params: int, dtype: str) -> int:
-    """Refuse when the filesystem holding --out has less than n_params * bytes * 1.1 free; returns the estimate."""
-    need = int(n_params * DTYPE_BYTES[dtype] * DISK_MARGIN)
+def check_disk(out: Path, n_params: int, dtype: str, gguf_bytes_per_param: float = 0.0) -> int:
+    """Refuse when the filesystem holding --out has less than n_params x (the dtype's bytes + the GGUF files'
+    bytes per parameter) x 1.1 free; returns the estimate."""
+    need = int(n_params * (DTYPE_BYTES[dtype] + gguf_bytes_per_param) * DISK_MARGIN)
     where = out.parent
     while not where.exists() and where != where.parent:
         where = where.parent
     free = shutil.disk_usage(where).free
     if free < need:
+        gguf = f" + {gguf_bytes_per_param:.2f} for the GGUF files" if gguf_bytes_per_param else ""
         raise UserError(f"not enough free disk space in {where}: the merged model needs about {human_size(need)} "
-                        f"({n_params:,} parameters x {DTYPE_BYTES[dtype]} bytes in {dtype} + 10 %), "
+                        f"({n_params:,} parameters x {DTYPE_BYTES[dtype]} bytes in {dtype}{gguf} + 10 %), "
                         f"{human_size(free)} is free", "--out",
                         "Free some space, choose --out on another disk"
                         + (", or export --dtype bfloat16 (half the size)." if dtype == "float32" else "."))

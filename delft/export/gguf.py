@@ -70,6 +70,11 @@ CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 QUANTISER_TYPES = ("q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0", "q4_k_m", "q4_k_s", "q4_1", "q4_0",
                    "q3_k_l", "q3_k_m", "q3_k_s", "q2_k")
+# Bytes per weight of each type (llama.cpp's bits per weight / 8, rounded up; tensors kept in higher precision
+# make small models larger), for the free-space check before the export.
+GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.07, "q6_k": 0.83, "q5_k_m": 0.72, "q5_k_s": 0.7,
+              "q5_1": 0.75, "q5_0": 0.69, "q4_k_m": 0.62, "q4_k_s": 0.6, "q4_1": 0.63, "q4_0": 0.57,
+              "q3_k_l": 0.54, "q3_k_m": 0.5, "q3_k_s": 0.45, "q2_k": 0.42}
 
 
 LORA_TYPE = "f16"  # the adapter and the base it is applied to
@@ -91,6 +96,15 @@ class GgufPlan:
     check: bool  # load every file in llama.cpp and compare (needs llama-cpp-python)
     converter: Path
     notes: list = field(default_factory=list)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Disk the GGUF files take per model parameter, at their peak: each file, the 16-bit source a quantiser
+        reads (while it runs), and with --gguf-lora the 16-bit base beside the adapter."""
+        total = sum(GGUF_BYTES[t] for t in self.types)
+        if any(t in QUANTISER_TYPES for t in self.types):
+            total += 2
+        return total + (2 if self.lora else 0)
 
 
 def parse_types(types: list[str]) -> list[str]:

@@ -146,7 +146,8 @@ def _check_arguments(dtype: str, tolerance: Optional[float], device: str) -> str
     return dtype
 
 
-def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str) -> tuple[dict, _Base, Optional[int]]:
+def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
+                  gguf_bytes: float = 0.0) -> tuple[dict, _Base, Optional[int]]:
     """(run info, the base, its parameter count when the files tell it); every refusal before loading weights."""
     from transformers import AutoConfig
 
@@ -177,7 +178,7 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str) -> tuple[di
     check_adapter_matches(run_dir, name, config, "delft export")
     estimate = local_param_count(ref.path) if ref.is_local else None
     if estimate:
-        check_disk(out, estimate, dtype)
+        check_disk(out, estimate, dtype, gguf_bytes)
     return info, _Base(name, ref, config, recipe, revision, remote, gguf), estimate
 
 
@@ -288,7 +289,8 @@ def _write_reports(tmp: Path, result: ExportResult, info: dict, base: "_Base", r
 
 def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
                tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
-               console: Optional[Console] = None, max_shard_size: str = "2GB") -> ExportResult:
+               console: Optional[Console] = None, max_shard_size: str = "2GB",
+               gguf_bytes_per_param: float = 0.0) -> ExportResult:
     """Merge the adapter in ``run_dir`` into its base model and write a standalone model to ``out``.
 
     Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
@@ -300,7 +302,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     console = console or Console()
     run_dir, out = Path(run_dir), Path(out)
     dtype = _check_arguments(dtype, tolerance, device)
-    info, base, estimate = _resolve_base(run_dir, out, force, dtype)
+    info, base, estimate = _resolve_base(run_dir, out, force, dtype, gguf_bytes_per_param)
     device = resolve_device(device)
     short, detail, notes = _describe_merge(info, match_training, base.gguf)
     _announce(run_dir, out, base, info, detail, notes, dtype, device, console)
@@ -311,7 +313,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     merged, reference, adapter_effect, merge_diff, n_params, roundtripped = _merge(
         run_dir, base, device, match_training, encoded, console)
     if not estimate:
-        check_disk(out, n_params, dtype)
+        check_disk(out, n_params, dtype, gguf_bytes_per_param)
     result = ExportResult(out=str(out), run_dir=str(run_dir), base_model=base.name, merge=short, merge_detail=detail,
                           dtype=dtype, n_params=n_params, merge_abs_diff=merge_diff, adapter_effect=adapter_effect,
                           roundtripped_layers=roundtripped, notes=notes)

@@ -286,3 +286,17 @@ def test_eval_headline_and_gguf_wording(run_dir, tmp_path):
     assert short == "dequantised GGUF" and "dequantised from GGUF" in detail and any("GGUF" in n for n in notes)
     short, detail, notes = _describe_merge({"quantization": "nf4"}, True, gguf=False)
     assert short == "nf4 round-trip" and "trained against" in detail and not notes
+
+
+def test_the_free_space_check_counts_the_gguf_files(tmp_path, monkeypatch):
+    """Room for the merged model alone is not room for it and its GGUF files (and a quantiser's 16-bit source)."""
+    import delft.export.checks as export_checks
+    from delft.export.checks import check_disk
+    from delft.export.gguf import GgufPlan
+
+    monkeypatch.setattr(export_checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 3 * 10**6))
+    plan = GgufPlan(types=["f16", "q4_k_m"], lora=False, check=False, converter=tmp_path)
+    assert plan.bytes_per_param == pytest.approx(2 + 0.62 + 2)
+    assert check_disk(tmp_path / "o", 10**6, "bfloat16") == int(10**6 * 2 * 1.1)  # fits without GGUF
+    with pytest.raises(UserError, match="for the GGUF files"):
+        check_disk(tmp_path / "o", 10**6, "bfloat16", plan.bytes_per_param)
