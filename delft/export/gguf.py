@@ -39,7 +39,7 @@ from rich.table import Table
 
 from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
-from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
+from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit, dies_with_delft
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
 from delft.outputs import staged, temporary_sibling, write_atomic
@@ -260,7 +260,8 @@ def _run_converter(converter: Path, script: str, args: list[str], what: str) -> 
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = str(converter / "gguf-py")  # its own gguf-py, not the installed gguf package
     env["TQDM_DISABLE"] = "1"
-    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True, env=env,
+                          preexec_fn=dies_with_delft)
     if proc.returncode == 0:
         return
     log = (proc.stderr or "") + (proc.stdout or "")
@@ -306,7 +307,7 @@ def quantize(src: Path, dest: Path, gguf_type: str) -> None:
         here = str(Path(__file__).resolve().parents[2])  # the checkout holding this delft, whatever else is installed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run([sys.executable, "-m", "delft.export.gguf", "quantize", str(src), str(tmp), gguf_type],
-                              capture_output=True, text=True, env=env)
+                              capture_output=True, text=True, env=env, preexec_fn=dies_with_delft)
         if proc.returncode != 0 or not tmp.is_file():
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
             raise UserError(f"llama.cpp's quantiser failed to make {gguf_type} from {src.name}: {tail}", "--gguf",

@@ -326,3 +326,28 @@ def test_a_llama_cpp_crash_is_reported_and_the_gguf_phase_resumes(smol_export, s
     info = json.loads((again / "delft_export.json").read_text())
     assert [f["passed"] for f in info["gguf"]["files"]] == [True]
     assert (again / "README.md").read_text().count("## GGUF") == 1
+
+
+def test_a_converter_child_dies_with_a_killed_delft(tmp_path):
+    """kill -9 of delft while a child (converter, quantiser, llama.cpp) runs: the kernel ends the child too."""
+    import signal
+    import subprocess
+    import time
+
+    parent = tmp_path / "parent.py"
+    parent.write_text("import subprocess, sys\nfrom delft.export.gguf_check import dies_with_delft\n"
+                      "p = subprocess.Popen(['sleep', '120'], preexec_fn=dies_with_delft)\n"
+                      "print(p.pid, flush=True)\np.wait()\n")
+    proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    end = time.monotonic() + 20
+    while time.monotonic() < end and Path(f"/proc/{child}").exists() and \
+            Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+        time.sleep(0.2)
+    alive = Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z"
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the child outlived delft"
