@@ -398,4 +398,6 @@ def verified_export(run_dir, out, dtype: str) -> Optional[ExportResult]:
                         "--dtype", f"Pass --dtype {info.get('dtype')} to redo only its GGUF phase, or --force to "
                         "merge again.")
     names = {f.name for f in dataclasses.fields(ExportResult)}
-    return ExportResult(**{k: v for k, v in info.items() if k in names})
+    fields = {k: v for k, v in info.items() if k in names}
+    fields.update(out=str(out), run_dir=str(run_dir))  # where it is now (it was recorded as typed then)
+    return ExportResult(**fields)

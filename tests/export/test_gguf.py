@@ -279,7 +279,8 @@ def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_m
 @pytest.mark.slow
 @pytest.mark.gguf
 def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_path, monkeypatch):
-    import delft.export.gguf_check as gguf
+    import delft.export.gguf as gguf
+    import delft.export.gguf_check as gguf_check
     from delft.export.merge import ExportResult
 
     out, res = smol_export
@@ -289,7 +290,7 @@ def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_pat
     result = ExportResult(out=str(again), run_dir=str(smol_run), base_model="smollm2-135m", merge="16-bit",
                           merge_detail="", dtype="bfloat16")
     plan = prepare_gguf(smol_run, tmp_path / "unused", ["q8_0"], check=True)
-    monkeypatch.setitem(gguf.TOLERANCE, "q8_0", 0.0)
+    monkeypatch.setitem(gguf_check.TOLERANCE, "q8_0", 0.0)
     with pytest.raises(VerificationError, match="again-q8_0.gguf"):
         gguf.export_gguf(plan, result)
     assert (again / "again-q8_0.gguf").is_file() and (again / MARKER).is_file()
