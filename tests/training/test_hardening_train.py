@@ -312,7 +312,7 @@ def test_sigkill_anywhere_resumes_to_the_same_adapter(tmp_path, tiny_model_dir, 
     root = run / CHECKPOINTS
 
     def writing_checkpoint():
-        return root.is_dir() and any(p.name.startswith(".tmp-") for p in root.iterdir())
+        return root.is_dir() and any(p.name.startswith(".") and ".tmp-" in p.name for p in root.iterdir())  # staged
 
     kill_points = [writing_checkpoint, lambda: logged_steps(run) >= 3, writing_checkpoint,
                    lambda: (run / ".final-tmp").exists() or logged_steps(run) >= 6]
