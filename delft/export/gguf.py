@@ -39,7 +39,8 @@ from rich.table import Table
 
 from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
-from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit, dies_with_delft
+from delft.export import children
+from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
 from delft.outputs import staged, temporary_sibling, write_atomic
@@ -255,13 +256,14 @@ def _extract_converter(sdist: Path, dest: Path) -> None:
                         f"{', '.join(CONVERTER_PACKAGES)})", SDIST_ENV, f"Use the sdist of {LLAMA_CPP_SDIST}.")
 
 
-def _run_converter(converter: Path, script: str, args: list[str], what: str) -> None:
-    """One converter run; its known refusals become UserErrors that say what could not be converted."""
+def _run_converter(converter: Path, script: str, args: list[str], what: str, owned=()) -> None:
+    """One converter run; its known refusals become UserErrors that say what could not be converted. ``owned``:
+    the file it writes, removed should delft die meanwhile (delft.export.children)."""
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = str(converter / "gguf-py")  # its own gguf-py, not the installed gguf package
     env["TQDM_DISABLE"] = "1"
-    proc = subprocess.run([sys.executable, str(converter / script), *args], capture_output=True, text=True, env=env,
-                          preexec_fn=dies_with_delft)
+    proc = children.run([sys.executable, str(converter / script), *args], owned, capture_output=True, text=True,
+                        env=env)
     if proc.returncode == 0:
         return
     log = (proc.stderr or "") + (proc.stdout or "")
@@ -292,13 +294,13 @@ def _new_file(dest: Path):
 def convert(converter: Path, model_dir: Path, gguf_type: str, dest: Path) -> None:
     with _new_file(dest) as tmp:
         _run_converter(converter, CONVERTER_FILES[0],
-                       [str(model_dir), "--outtype", gguf_type, "--outfile", str(tmp)], str(model_dir))
+                       [str(model_dir), "--outtype", gguf_type, "--outfile", str(tmp)], str(model_dir), owned=(tmp,))
 
 
 def convert_lora(converter: Path, run_dir: Path, base_dir: Path, dest: Path) -> None:
     with _new_file(dest) as tmp:
         args = ["--base", str(base_dir), "--outtype", LORA_TYPE, "--outfile", str(tmp), str(run_dir)]
-        _run_converter(converter, CONVERTER_FILES[1], args, f"the adapter in {run_dir}")
+        _run_converter(converter, CONVERTER_FILES[1], args, f"the adapter in {run_dir}", owned=(tmp,))
 
 
 def quantize(src: Path, dest: Path, gguf_type: str) -> None:
@@ -306,8 +308,8 @@ def quantize(src: Path, dest: Path, gguf_type: str) -> None:
     with _new_file(dest) as tmp:
         here = str(Path(__file__).resolve().parents[2])  # the checkout holding this delft, whatever else is installed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "delft.export.gguf", "quantize", str(src), str(tmp), gguf_type],
-                              capture_output=True, text=True, env=env, preexec_fn=dies_with_delft)
+        proc = children.run([sys.executable, "-m", "delft.export.gguf", "quantize", str(src), str(tmp), gguf_type],
+                            (tmp, src), capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not tmp.is_file():
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
             raise UserError(f"llama.cpp's quantiser failed to make {gguf_type} from {src.name}: {tail}", "--gguf",

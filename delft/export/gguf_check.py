@@ -12,7 +12,6 @@ import gc
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Optional
 
 from rich.console import Console
 
+from delft.export import children
 from delft.models.loading import using_model
 
 
@@ -93,18 +93,6 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def dies_with_delft() -> None:
-    """``preexec_fn`` of delft's children (converter, quantiser, llama.cpp check): on Linux the kernel kills the
-    child when delft dies, even by SIGKILL, so no converter is left writing a file nobody will rename."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
 # The child's command line; tests put a stand-in that crashes the way llama.cpp can.
 CHILD = [sys.executable, "-m", "delft.export.gguf_check"]
 
@@ -120,7 +108,7 @@ def llama_outputs(path: Path, inputs: CheckInputs, lora: Optional[Path] = None) 
         request, result = Path(tmp) / "inputs.json", Path(tmp) / "outputs.npz"
         request.write_text(json.dumps({"texts": inputs.texts, "ids": inputs.ids, "stop": sorted(inputs.stop)}))
         cmd = [*CHILD, str(path), str(request), str(result)] + ([str(lora)] if lora else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=dies_with_delft)
+        proc = children.run(cmd, (tmp,), capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not result.is_file():
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
             raise LlamaCrashed((lora or path).name, proc.returncode, tail)

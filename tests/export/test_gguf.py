@@ -329,26 +329,43 @@ def test_a_llama_cpp_crash_is_reported_and_the_gguf_phase_resumes(smol_export, s
     assert (again / "README.md").read_text().count("## GGUF") == 1
 
 
-def test_a_converter_child_dies_with_a_killed_delft(tmp_path):
-    """kill -9 of delft while a child (converter, quantiser, llama.cpp) runs: the kernel ends the child too."""
+def test_a_killed_delft_leaves_no_child_and_no_half_written_file(tmp_path):
+    """kill -9 of delft while a child (converter, quantiser, llama.cpp check) writes: the guardian kills the child
+    and removes the file it was writing (delft.export.children)."""
     import signal
     import subprocess
     import time
 
+    owned = tmp_path / ".m-f16.gguf.tmp-1"
     parent = tmp_path / "parent.py"
-    parent.write_text("import subprocess, sys\nfrom delft.export.gguf_check import dies_with_delft\n"
-                      "p = subprocess.Popen(['sleep', '120'], preexec_fn=dies_with_delft)\n"
-                      "print(p.pid, flush=True)\np.wait()\n")
+    parent.write_text("import sys\nfrom delft.export import children\n"
+                      f"open({str(owned)!r}, 'w').write('x' * 1000)\nprint('started', flush=True)\n"
+                      f"children.run(['sleep', '119.5'], [{str(owned)!r}])\n")
     proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    child = int(proc.stdout.readline())
+    assert proc.stdout.readline().strip() == "started"
+
+    def sleepers():
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and b"119.5" in (d / "cmdline").read_bytes() and \
+                        (d / "stat").read_text().split(") ")[1][0] != "Z":
+                    out.append(int(d.name))
+            except OSError:
+                pass
+        return out
+
+    end = time.monotonic() + 20
+    while not sleepers() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert sleepers(), "the child never started"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     end = time.monotonic() + 20
-    while time.monotonic() < end and Path(f"/proc/{child}").exists() and \
-            Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+    while (sleepers() or owned.exists()) and time.monotonic() < end:
         time.sleep(0.2)
-    alive = Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z"
-    if alive:
-        os.kill(child, signal.SIGKILL)
-    assert not alive, "the child outlived delft"
+    left = sleepers()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left and not owned.exists(), (left, owned.exists())

@@ -1,0 +1,75 @@
+"""The GGUF phase's child processes (converter, quantiser, llama.cpp check), tied to delft's life.
+
+Each runs under a small guardian (this file, run as a script: standard library only). The kernel sends the
+guardian SIGTERM when delft dies, even by SIGKILL; the guardian then kills its child and removes the files the
+child was writing (a half-written GGUF is hundreds of MB, under a hidden name nobody would rename). A child that
+dies by a signal makes the guardian die by the same signal, so delft still reads SIGILL or SIGSEGV from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def _on_parent_death(sig: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+        except (OSError, AttributeError):
+            pass
+
+
+def run(cmd: list[str], owned=(), **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, **kwargs) under a guardian that removes ``owned`` (the paths the child writes) and
+    kills the child when delft dies."""
+    guardian = [sys.executable, str(Path(__file__).resolve()), json.dumps([str(p) for p in owned]), *cmd]
+    return subprocess.run(guardian, preexec_fn=lambda: _on_parent_death(signal.SIGTERM), **kwargs)
+
+
+def _remove(paths: list[str]) -> None:
+    for p in map(Path, paths):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+class _DelftDied(Exception):
+    pass
+
+
+def _guard(owned: list[str], cmd: list[str]) -> int:
+    """The guardian: run ``cmd``; on SIGTERM (delft died) kill it and remove ``owned``; pass its status on."""
+    def delft_died(signum, frame):
+        raise _DelftDied  # out of child.wait(), which holds a lock a second wait() here would wait on forever
+
+    signal.signal(signal.SIGTERM, delft_died)
+    child = subprocess.Popen(cmd, preexec_fn=lambda: _on_parent_death(signal.SIGKILL))
+    try:
+        if os.getppid() == 1:  # delft died before the request took effect
+            raise _DelftDied
+        code = child.wait()
+    except _DelftDied:
+        child.kill()
+        child.wait()
+        _remove(owned)
+        os._exit(128 + signal.SIGTERM)
+    if code < 0:  # died by a signal: die by the same one, so delft sees it as if it had run the child itself
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_guard(json.loads(sys.argv[1]), sys.argv[2:]))
