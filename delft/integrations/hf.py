@@ -19,8 +19,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from delft.losses.registry import REFERENCE
-
 HIDDEN_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k", "seq_idx")  # what the forward takes besides the labels
 
@@ -115,12 +113,8 @@ class DigitLossMixin:
         sums, outputs = self.digit_sums(model, inputs, labels, drop)
         training = model.training and self._step_counts is not None
         counts = type(sums.counts)(*self._step_counts) if training else sums.counts
-        loss = self.digit_loss.loss
-        if loss.normalisation == REFERENCE:
-            ce = sums.ce / max(1, counts.labels)  # the Trainer's CE: per label token of the step
-            value = ce + loss.weight * sums.term_means if loss.weight > 0 and sums.counts.digits else ce
-        else:
-            value = loss.combine(sums, counts)
+        # 'reference': CE per label of the step + weight x this micro-batch's own term mean (Loss.combine)
+        value = self.digit_loss.loss.combine(sums, counts)
         if training:
             self._remember(sums, counts)
         # DDP averages the ranks' gradients; the loss is normalised by counts of every rank, so scale it back up
