@@ -53,6 +53,28 @@ def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path
     return write_yaml(tmp_path / f"{name}.yaml", base)
 
 
+def write_arms(rec: Path, model_dir: Path, runs: Path, **sections) -> Path:
+    """A recipes folder for compare and study: ``base.yaml`` (a 2-step LoRA run of ``model_dir`` on tiny synthetic
+    sums) and ``ce.yaml`` / ``del.yaml`` on it, differing only in their loss, run in ``runs/<name>-seed0``.
+    ``sections`` update the base's sections, e.g. ``eval={"limit": 2}``. Returns ``rec``."""
+    base = {
+        "model": {"name": str(model_dir)},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 40, "val_size": 4},
+        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
+                  "save_steps": 10, "warmup_ratio": 0.0},
+        "eval": {"batch_size": 4, "bootstrap": 10},
+        "output": {"dir": str(runs / "base-seed0")},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    write_yaml(rec / "base.yaml", base)
+    for name in ("ce", "del"):
+        write_yaml(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
+                                          "output": {"dir": str(runs / f"{name}-seed0")}})
+    return rec
+
+
 def adapter_weights(run_dir: Path) -> dict:
     """The adapter tensors a run saved, by name."""
     from safetensors.torch import load_file

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import REPO, run_cli, write_yaml
+from helpers import REPO, run_cli, write_arms, write_yaml
 from rich.console import Console
 
 from delft.errors import UserError
@@ -35,19 +35,9 @@ def test_shipped_compare_recipes_differ_only_in_loss():
 
 @pytest.fixture
 def tiny_recipes(tmp_path, tiny_model_dir):
-    base = write_yaml(tmp_path / "recipes" / "base.yaml", {
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 40, "val_size": 4},
-        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
-                  "save_steps": 10, "warmup_ratio": 0.0},
-        "eval": {"limit": 4, "max_new_tokens": 4, "batch_size": 4, "bootstrap": 20},
-        "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
-    })
-    ce = write_yaml(tmp_path / "recipes" / "ce.yaml", {"base": "base.yaml", "loss": {"type": "ce"},
-                                                   "output": {"dir": str(tmp_path / "runs" / "ce-seed0")}})
-    de = write_yaml(tmp_path / "recipes" / "del.yaml", {"base": "base.yaml", "loss": {"type": "del"},
-                                                    "output": {"dir": str(tmp_path / "runs" / "del-seed0")}})
+    rec = write_arms(tmp_path / "recipes", tiny_model_dir, tmp_path / "runs",
+                     eval={"limit": 4, "max_new_tokens": 4, "bootstrap": 20})
+    base, ce, de = rec / "base.yaml", rec / "ce.yaml", rec / "del.yaml"
     svamp = tmp_path / "svamp.json"
     svamp.write_text(json.dumps([{"ID": f"x{i}", "Body": f"Tom has {i + 2} apples and buys {i} more.",
                                   "Question": "How many apples does he have?", "Equation": "", "Answer": 2.0 * i + 2,

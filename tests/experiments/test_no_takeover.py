@@ -4,7 +4,7 @@ earlier results in ``out`` (without --force), a run directory as ``out``; repeat
 import json
 
 import pytest
-from helpers import run_cli, write_yaml
+from helpers import run_cli, write_arms, write_yaml
 
 import delft.training.trainer as train_mod
 from delft.rundir import LOSS_CURVE, checkpoints, read_info
@@ -14,19 +14,7 @@ from delft.rundir import LOSS_CURVE, checkpoints, read_info
 def arms(tmp_path, tiny_model_dir):
     """(recipes dir, study file): ce and del, differing only in their loss, run in tmp_path/runs/<name>-seed<N>,
     and a one-seed study of them with one small greedy set, writing into tmp_path/out."""
-    rec = tmp_path / "recipes"
-    write_yaml(rec / "base.yaml", {
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 40, "val_size": 4},
-        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
-                  "save_steps": 10, "warmup_ratio": 0.0},
-        "eval": {"limit": 2, "max_new_tokens": 2, "batch_size": 4, "bootstrap": 10},
-        "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
-    })
-    for name in ("ce", "del"):
-        write_yaml(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
-                                          "output": {"dir": str(tmp_path / "runs" / f"{name}-seed0")}})
+    rec = write_arms(tmp_path / "recipes", tiny_model_dir, tmp_path / "runs", eval={"limit": 2, "max_new_tokens": 2})
     study = write_yaml(rec / "tiny.study.yaml", {"recipes": ["ce.yaml", "del.yaml"], "seeds": [0],
                                                  "out": str(tmp_path / "out"),
                                                  "evals": {"held_out": {"limit": 2, "max_new_tokens": 2}}})

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from helpers import DATA, REPO, run_cli, write_yaml
+from helpers import DATA, REPO, run_cli, write_arms, write_yaml
 from rich.console import Console
 
 from delft.errors import UserError
@@ -78,20 +78,8 @@ def test_a_set_where_every_model_scores_zero_cannot_detect_a_difference():
 
 @pytest.fixture
 def tiny_study(tmp_path, tiny_model_dir):
-    rec = tmp_path / "recipes"
-    write_yaml(rec / "base.yaml", {
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 800, "val_size": 4,  # GSM8K in characters
-                 "template": "plain"},  # as the shipped studies
-        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
-                  "save_steps": 10, "warmup_ratio": 0.0},
-        "eval": {"batch_size": 4, "bootstrap": 50},
-        "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
-    })
-    for name in ("ce", "del"):
-        write_yaml(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
-                                      "output": {"dir": str(tmp_path / "runs" / f"{name}-seed0")}})
+    rec = write_arms(tmp_path / "recipes", tiny_model_dir, tmp_path / "runs", eval={"bootstrap": 50},
+                     data={"max_length": 800, "template": "plain"})  # GSM8K in characters; plain as the shipped studies
     study = write_yaml(rec / "tiny.study.yaml", {
         "recipes": ["ce.yaml", "del.yaml"], "seeds": [0, 1], "out": str(tmp_path / "out"),
         "evals": {"held_out": {"limit": 4, "max_new_tokens": 4},

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_cli, write_yaml
+from helpers import run_cli, write_arms, write_yaml
 
 from delft.errors import UserError
 from delft.experiments.study import eval_data, load_study
@@ -18,19 +18,7 @@ from delft.recipe import load_recipe
 @pytest.fixture
 def arms(tmp_path, tiny_model_dir):
     """The recipes folder: ce and del (differing only in their loss) on a shared base, run in tmp_path/runs."""
-    rec = tmp_path / "recipes"
-    write_yaml(rec / "base.yaml", {
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"synthetic": {"n": 24, "max_digits": 2}, "max_length": 40, "val_size": 4},
-        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "eval_steps": 2,
-                  "save_steps": 10, "warmup_ratio": 0.0},
-        "eval": {"batch_size": 4, "bootstrap": 10},
-        "output": {"dir": str(tmp_path / "runs" / "base-seed0")},
-    })
-    for name in ("ce", "del"):
-        write_yaml(rec / f"{name}.yaml", {"base": "base.yaml", "loss": {"type": name},
-                                          "output": {"dir": str(tmp_path / "runs" / f"{name}-seed0")}})
+    rec = write_arms(tmp_path / "recipes", tiny_model_dir, tmp_path / "runs")
     return rec
 
 

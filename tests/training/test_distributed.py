@@ -58,6 +58,17 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 600)
         time.sleep(0.2)
 
 
+def training_workers(tmp_path: Path, model_dir: Path, name: str, max_steps: int) -> tuple[subprocess.Popen, list[int]]:
+    """A 2-process torchrun run that has written its first checkpoint, and its two workers' pids."""
+    from delft.rundir import checkpoints
+
+    recipe = recipe_file(tmp_path, model_dir, name=name, train={"max_steps": max_steps, "save_steps": 2,
+                                                                "eval_steps": max_steps + 1})
+    proc = torchrun(recipe)
+    wait_for(lambda: len(checkpoints(tmp_path / name)) > 0, proc, "a checkpoint")
+    return proc, [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+
+
 # ----------------------------------------------------------------------------- fast: the pieces
 
 
@@ -192,11 +203,7 @@ def test_ctrl_c_on_the_launcher_then_resume_equals_uninterrupted(tmp_path, tiny_
 def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
     from delft.rundir import STATE_FILE, checkpoints
 
-    recipe = recipe_file(tmp_path, tiny_model_dir, name="killed", train={"max_steps": 400, "save_steps": 2,
-                                                                         "eval_steps": 1000})
-    proc = torchrun(recipe)
-    wait_for(lambda: len(checkpoints(tmp_path / "killed")) > 0, proc, "a checkpoint")
-    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    proc, workers = training_workers(tmp_path, tiny_model_dir, "killed", max_steps=400)
     rank1 = [p for p in workers if b"RANK=1" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
     assert rank1, workers
     os.kill(int(rank1[0]), signal.SIGKILL)
@@ -234,13 +241,7 @@ def test_cli_plan_takes_a_world_size(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_a_killed_launcher_leaves_no_worker_behind(tmp_path, tiny_model_dir):
     """kill -9 of torchrun's launcher: its workers die with it (they asked the kernel to), none trains on."""
-    from delft.rundir import checkpoints
-
-    recipe = recipe_file(tmp_path, tiny_model_dir, name="orphans", train={"max_steps": 100000, "save_steps": 2,
-                                                                          "eval_steps": 100000})
-    proc = torchrun(recipe)
-    wait_for(lambda: len(checkpoints(tmp_path / "orphans")) > 0, proc, "a checkpoint")
-    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    proc, workers = training_workers(tmp_path, tiny_model_dir, "orphans", max_steps=100000)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
