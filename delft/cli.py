@@ -27,6 +27,31 @@ DEBUG = os.environ.get("DELFT_DEBUG") == "1"
 SET_HELP = "Override a recipe key, e.g. --set train.max_steps=50 (repeatable)."
 
 
+# How answers are decoded, on eval, compare and study alike: shorthands for --set eval.KEY=VALUE.
+def _fewshot_option():
+    return typer.Option(None, "--fewshot", min=0, max=8, help="lm-evaluation-harness's GSM8K prompt with N exemplars "
+                        "(0 = zero-shot): --set eval.fewshot=N.")
+
+
+def _samples_option():
+    return typer.Option(None, "--samples", min=1, help="K sampled answers per problem, scored by majority vote with "
+                        "pass@1 and pass@K (default 1: greedy): --set eval.samples=K.")
+
+
+def _temperature_option():
+    return typer.Option(None, "--temperature", help="Sampling temperature with --samples (default 0.7).")
+
+
+def _top_p_option():
+    return typer.Option(None, "--top-p", help="Nucleus sampling with --samples (default 1: off).")
+
+
+def decoding_overrides(fewshot, samples, temperature, top_p) -> list[str]:
+    """The decoding options as --set overrides of the recipe's eval section."""
+    given = {"fewshot": fewshot, "samples": samples, "temperature": temperature, "top_p": top_p}
+    return [f"eval.{k}={v}" for k, v in given.items() if v is not None]
+
+
 def quiet_libraries() -> None:
     """delft prints what matters itself; library progress bars and advisories drown it (--debug keeps them)."""
     if DEBUG:
@@ -125,6 +150,10 @@ def eval_(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of per-place digit accuracy."),
     teacher: bool = typer.Option(False, "--teacher-forced", help="Also score the gold completions token by token: "
                                  "digit accuracy and CE per place, CE / perplexity of the other tokens."),
+    fewshot: Optional[int] = _fewshot_option(),
+    samples: Optional[int] = _samples_option(),
+    temperature: Optional[float] = _temperature_option(),
+    top_p: Optional[float] = _top_p_option(),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
     """Numeric accuracy of the base model and adapters, side by side."""
@@ -132,8 +161,8 @@ def eval_(
 
     recipe, runs = _split_recipe(targets or [])
     run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
-             include_base=not no_base, json_out=json_out, plot=plot, overrides=set_, console=console,
-             teacher_forced=teacher)
+             include_base=not no_base, json_out=json_out, plot=plot, console=console, teacher_forced=teacher,
+             overrides=[*decoding_overrides(fewshot, samples, temperature, top_p), *set_])
 
 
 @app.command("inspect")
@@ -218,10 +247,15 @@ def compare(
     no_transfer: bool = typer.Option(
         False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
+    fewshot: Optional[int] = _fewshot_option(),
+    samples: Optional[int] = _samples_option(),
+    temperature: Optional[float] = _temperature_option(),
+    top_p: Optional[float] = _top_p_option(),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.experiments.compare import run_compare
 
+    set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force)
@@ -236,10 +270,15 @@ def study(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in the study's out (as a set)."),
+    fewshot: Optional[int] = _fewshot_option(),
+    samples: Optional[int] = _samples_option(),
+    temperature: Optional[float] = _temperature_option(),
+    top_p: Optional[float] = _top_p_option(),
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
     from delft.experiments.study import run_study
 
+    set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
     run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force)
 
 

@@ -202,6 +202,16 @@ class EvalConfig(Section):
     max_new_tokens: int = Field(32, gt=0, description="Generation budget per answer.")
     batch_size: int = Field(16, gt=0, description="Prompts generated together.")
     bootstrap: int = Field(1000, ge=0, description="Bootstrap resamples for confidence intervals.")
+    fewshot: Optional[int] = Field(
+        None, ge=0, le=8, description="lm-evaluation-harness's GSM8K prompt ('Question: ...\\nAnswer:') with this many "
+        "exemplars (the first problems of GSM8K train; 0 = zero-shot); unset: the data's own prompt.")
+    samples: int = Field(1, ge=1, le=64, description="Answers per problem: 1 = greedy; K > 1 samples K answers "
+                         "(temperature, top_p) and scores their majority vote, with pass@1 and pass@K beside it.")
+    temperature: float = Field(0.7, gt=0, le=5, description="Sampling temperature (samples > 1).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the likeliest tokens up to this "
+                         "probability mass (samples > 1; 1 = off).")
+    seed: int = Field(0, ge=0, description="Seeds the sampling: the same seed, batch size and eval set give the "
+                      "same samples.")
 
 
 class OutputConfig(Section):

@@ -14,7 +14,15 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.evaluation.metrics import differences, flags
-from delft.evaluation.problems import Problem, describe_source, disjoint_from_training, load_problems, settings_block
+from delft.evaluation.problems import (
+    BOOTSTRAP_SEED,
+    Problem,
+    describe_source,
+    disjoint_from_training,
+    load_problems,
+    settings_block,
+    shows_harness_scores,
+)
 from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
 from delft.evaluation.scoring import ModelResult, evaluate_models
 from delft.outputs import check_output_files, write_result
@@ -148,6 +156,33 @@ def keep_finished(err: UserError, done: Sequence[ModelResult], problems: Sequenc
     return UserError(err.what, err.where, f"{err.fix or ''} {kept}.".strip())
 
 
+def versus(base: ModelResult, r: ModelResult, resamples: int) -> dict:
+    """``r`` minus ``base`` per problem, paired bootstrap: exact and tolerance match (of the voted answers when
+    sampled), and with samples pass@1 and pass@K."""
+    out = differences(flags(base.scored), flags(r.scored), resamples)
+    if base.samples is not None and r.samples is not None:
+        from delft.evaluation.metrics import paired_difference
+        from delft.evaluation.sampling import per_problem
+
+        a, b = per_problem(base.samples), per_problem(r.samples)
+        for key in ("pass@1", "pass@k"):
+            out[key] = paired_difference(a[key], b[key], resamples, BOOTSTRAP_SEED)
+    return out
+
+
+def difference_line(r: ModelResult) -> str:
+    """'NAME vs base: exact match +D points [95 % CI lo, hi] (paired bootstrap)', pass@1 beside it when sampled."""
+    def part(label: str, d: dict) -> str:
+        ci = d["ci"]
+        span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
+        return f"{label} {100 * d['difference']:+.1f} points{span}"
+
+    parts = [part("majority-vote exact match" if r.samples is not None else "exact match", r.vs_base["exact_match"])]
+    if "pass@1" in r.vs_base:
+        parts.append(part("pass@1", r.vs_base["pass@1"]))
+    return f"{r.name} vs base: {'; '.join(parts)} (paired bootstrap)"
+
+
 def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model: Optional[str] = None,
              data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
              include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
@@ -178,14 +213,11 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         raise keep_finished(e, done, problems, settings, json_out, console) from None
     if include_base:
         for r in results[1:]:
-            r.vs_base = differences(flags(results[0].scored), flags(r.scored), cfg.eval.bootstrap)
+            r.vs_base = versus(results[0], r, cfg.eval.bootstrap)
 
-    console.print(render_table(results, title))
+    console.print(render_table(results, title, shows_harness_scores(data_cfg, cfg.eval)))
     for r in results[1:] if include_base else []:
-        d = r.vs_base["exact_match"]
-        ci = d["ci"]
-        span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
-        console.print(f"{r.name} vs base: exact match {100 * d['difference']:+.1f} points{span} (paired bootstrap)")
+        console.print(difference_line(r))
     if teacher_forced:
         print_teacher(results, include_base, cfg.eval.bootstrap, console)
 

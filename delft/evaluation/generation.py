@@ -92,6 +92,16 @@ def _left_padded(encoded: Sequence[list[int]], pad_id: int):
     return ids, mask
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding: ``k`` answers per prompt at ``temperature`` with nucleus ``top_p``, seeded."""
+
+    k: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int = 0
+
+
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, chat: bool = False,
            batch_size: int = 8, stops: Optional[Sequence[str]] = None, eos: Optional[Sequence[int]] = None,
            on_batch: Optional[Callable[[int], None]] = None) -> list[Generation]:
@@ -100,8 +110,19 @@ def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, chat: 
     ``stops`` and ``eos`` default to :func:`stop_strings` and :func:`eos_ids` for the template (``chat``);
     ``on_batch(n)`` is called after each batch of ``n`` prompts (progress bars).
     """
+    return [g[0] for g in generate(model, tokenizer, prompts, max_new_tokens, chat, batch_size, stops, eos, on_batch)]
+
+
+def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, chat: bool = False,
+             batch_size: int = 8, stops: Optional[Sequence[str]] = None, eos: Optional[Sequence[int]] = None,
+             on_batch: Optional[Callable[[int], None]] = None,
+             sampling: Optional[Sampling] = None) -> list[list[Generation]]:
+    """Continuations of ``prompts``, in the order given: one greedy each, or ``sampling.k`` sampled ones.
+
+    Sampling seeds torch's generator once per batch (seed + the batch's first position in length order) inside a
+    forked RNG state, so the same seed, batch size and prompts give the same samples, whatever ran before, and
+    the caller's random state is left as it was."""
     import torch
-    from transformers import GenerationConfig, StoppingCriteriaList
 
     stops = stop_strings(tokenizer, chat) if stops is None else list(stops)
     eos = eos_ids(model, tokenizer, chat) if eos is None else list(eos)
@@ -109,24 +130,50 @@ def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, chat: 
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     device = next(model.parameters()).device
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id,
-                               eos_token_id=eos or None, use_cache=True, output_scores=False,
-                               output_logits=False, return_dict_in_generate=False)
-    out: list[Optional[Generation]] = [None] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        ids, mask = _left_padded([encoded[i] for i in idx], pad_id)
-        width = ids.shape[1]
-        criteria = StoppingCriteriaList([_StopOnStrings(tokenizer, width, stops)]) if stops else None
-        with torch.inference_mode():
-            result = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                    generation_config=gen_cfg, stopping_criteria=criteria)
-        for row, i in enumerate(idx):
-            new = result[row, width:].tolist()
-            new = new[: next((k for k, t in enumerate(new) if t in eos), len(new))]
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            out[i] = Generation(new, _before_stop(tokenizer, new, stops), text, cut_at_stop(text, stops))
-        del result, ids, mask
-        if on_batch is not None:
-            on_batch(len(idx))
-    return out  # type: ignore[return-value]
+    gen_cfg = _generation_config(max_new_tokens, pad_id, eos, sampling)
+    k = sampling.k if sampling else 1
+    out: list[list[Generation]] = [[] for _ in prompts]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for start in range(0, len(order), batch_size):
+            idx = order[start: start + batch_size]
+            if sampling is not None:
+                torch.manual_seed(sampling.seed + start)
+            rows = _generate_batch(model, tokenizer, [encoded[i] for i in idx], pad_id, gen_cfg, stops, device)
+            for row, i in enumerate(idx):
+                out[i] = [_finish(tokenizer, new, eos, stops) for new in rows[row * k:(row + 1) * k]]
+            if on_batch is not None:
+                on_batch(len(idx))
+    return out
+
+
+def _generation_config(max_new_tokens: int, pad_id: int, eos: Sequence[int], sampling: Optional[Sampling]):
+    from transformers import GenerationConfig
+
+    common = dict(max_new_tokens=max_new_tokens, num_beams=1, pad_token_id=pad_id, eos_token_id=list(eos) or None,
+                  use_cache=True, output_scores=False, output_logits=False, return_dict_in_generate=False)
+    if sampling is None:
+        return GenerationConfig(do_sample=False, **common)
+    # top_k=0: no top-k cut (transformers' default is 50), so top_p alone shapes the distribution
+    return GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                            num_return_sequences=sampling.k, **common)
+
+
+def _generate_batch(model, tokenizer, encoded: Sequence[list[int]], pad_id: int, gen_cfg, stops, device):
+    """The new token ids of every returned sequence of one batch (num_return_sequences rows per prompt)."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    ids, mask = _left_padded(encoded, pad_id)
+    width = ids.shape[1]
+    criteria = StoppingCriteriaList([_StopOnStrings(tokenizer, width, stops)]) if stops else None
+    with torch.inference_mode():
+        result = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                generation_config=gen_cfg, stopping_criteria=criteria)
+    return [row[width:].tolist() for row in result]
+
+
+def _finish(tokenizer, new: list[int], eos: Sequence[int], stops: Sequence[str]) -> Generation:
+    """One continuation cut at its first EOS, decoded, and cut at its first stop string."""
+    new = new[: next((k for k, t in enumerate(new) if t in eos), len(new))]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(new, _before_stop(tokenizer, new, stops), text, cut_at_stop(text, stops))

@@ -84,8 +84,20 @@ def summarize(scored: Sequence[Scored], resamples: int = 1000, seed: int = 0) ->
             for p, v in sorted(per_place.items(), key=lambda kv: -kv[0])
         },
         "rules": rules,
+        **harness_metrics(scored, resamples, seed),
         "bootstrap": {"resamples": resamples, "seed": seed, "level": 0.95},
     }
+
+
+def harness_metrics(scored: Sequence[Scored], resamples: int, seed: int) -> dict:
+    """lm-evaluation-harness's strict-match and flexible-extract rates with their intervals (None without gold
+    texts)."""
+    out: dict = {}
+    for key, attr in (("strict_match", "strict"), ("flexible_extract", "flexible")):
+        values = [getattr(s, attr) for s in scored if getattr(s, attr) is not None]
+        ci = bootstrap_ci(values, resamples, seed)
+        out[key], out[f"{key}_ci"] = _mean(values), list(ci) if ci else None
+    return out
 
 
 def place_order(places: Iterable[int]) -> list[int]:

@@ -24,6 +24,7 @@ class Problem:
     example: Any  # delft.data.Example
     gold: Decimal
     index: int
+    gold_text: str = ""  # the gold as written (a GSM8K answer whole): what lm-evaluation-harness compares against
 
 
 def disjoint_from_training(data_cfg, train_data):
@@ -46,7 +47,7 @@ def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
         if gold is None:
             skipped += 1
             continue
-        problems.append(Problem(ex, gold, i))
+        problems.append(Problem(ex, gold, i, gold_text(ex)))
     if not problems:
         raise UserError(f"the eval set ({data_cfg.source}, format {data_cfg.format}) has no numeric answers: none "
                         f"of its {len(examples)} examples has an 'answer' field or a completion that is a number",
@@ -58,8 +59,29 @@ def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
     return problems, skipped
 
 
+def gold_text(example) -> str:
+    """The reference lm-evaluation-harness's exact_match sees: a GSM8K answer whole (its normalisation keeps what
+    follows ``#### ``), else the answer as written."""
+    if "#### " in example.completion:
+        return example.completion
+    return str(example.answer if example.answer is not None else example.completion)
+
+
 def describe_source(data_cfg) -> str:
     return data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
+
+
+def decoding(eval_cfg) -> dict | str:
+    """'greedy', or the sampling settings."""
+    if eval_cfg.samples == 1:
+        return "greedy"
+    return {"samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "top_p": eval_cfg.top_p,
+            "seed": eval_cfg.seed}
+
+
+def shows_harness_scores(data_cfg, eval_cfg) -> bool:
+    """lm-evaluation-harness's GSM8K scores go in the table for GSM8K data or its prompt (always in the JSON)."""
+    return data_cfg.format == "gsm8k" or eval_cfg.fewshot is not None
 
 
 def settings_block(data_cfg, recipe_cfg, n: int, skipped: int) -> dict:
@@ -68,7 +90,8 @@ def settings_block(data_cfg, recipe_cfg, n: int, skipped: int) -> dict:
         "data": data_cfg.model_dump(mode="json"),
         "n": n,
         "skipped_without_answer": skipped,
-        "decoding": "greedy",
+        "decoding": decoding(recipe_cfg.eval),
+        "fewshot": recipe_cfg.eval.fewshot,
         "max_new_tokens": recipe_cfg.eval.max_new_tokens,
         "batch_size": recipe_cfg.eval.batch_size,
         "bootstrap": {"resamples": recipe_cfg.eval.bootstrap, "seed": BOOTSTRAP_SEED, "level": 0.95},

@@ -19,19 +19,32 @@ from delft.numbers.digits import place_name
 from delft.outputs import num, pct, write_figure
 
 
-def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
-    """(label, values, cells, higher_is_better) per table row."""
+def _ci_cell(x: dict, key: str) -> str:
+    """``x[key]`` as a percentage with its 95 % interval ``x[key + '_ci']``."""
+    ci = x.get(f"{key}_ci")
+    return pct(x[key]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+
+def metric_rows(results: Sequence[ModelResult], harness: bool = False
+                ) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
+    """(label, values, cells, higher_is_better) per table row; ``harness`` adds lm-evaluation-harness's GSM8K
+    scores, sampled results their pass@k rows."""
     rows = []
     m = [r.metrics for r in results]
-
-    def ci_cell(x, key):
-        ci = x.get(key)
-        return pct(x[key.removesuffix("_ci")]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
-
-    rows.append(("exact match (95 % CI)", [x["exact_match"] for x in m], [ci_cell(x, "exact_match_ci") for x in m],
-                 True))
+    s = [x.get("sampling") or {} for x in m]  # a seed mean of compare has none: its cells stay empty
+    k = next((x["k"] for x in s if x), None)
+    voted = f"majority of {k} " if k else ""
+    rows.append((f"{voted}exact match (95 % CI)", [x["exact_match"] for x in m],
+                 [_ci_cell(x, "exact_match") for x in m], True))
+    if k:
+        for key, label in (("pass@1", "pass@1: mean over samples (95 % CI)"), ("pass@k", f"pass@{k} (95 % CI)")):
+            rows.append((label, [x.get(key) for x in s], [_ci_cell(x, key) if x else "" for x in s], True))
+    if harness:
+        for key, label in (("strict_match", "strict-match"), ("flexible_extract", "flexible-extract")):
+            rows.append((f"{voted}{label} (harness, 95 % CI)", [x[key] for x in m], [_ci_cell(x, key) for x in m],
+                         True))
     rows.append(("tolerance match (95 % CI)", [x["tolerance_match"] for x in m],
-                 [ci_cell(x, "tolerance_match_ci") for x in m], True))
+                 [_ci_cell(x, "tolerance_match") for x in m], True))
     rows.append(("no number", [x["no_number_rate"] for x in m], [pct(x["no_number_rate"]) for x in m], False))
     rows.append(("MAE", [x["mae"] for x in m], [num(x["mae"]) for x in m], False))
     rows.append(("log-MAE", [x["log_mae"] for x in m], [num(x["log_mae"]) for x in m], False))
@@ -46,12 +59,16 @@ def metric_rows(results: Sequence[ModelResult]) -> list[tuple[str, list[Optional
     return rows
 
 
-def render_table(results: Sequence[ModelResult], title: str) -> Table:
+def render_table(results: Sequence[ModelResult], title: str, harness: bool = False) -> Table:
     """Models as columns, metrics as rows, the best value of each row in bold green."""
-    table = _table(results, title, metric_rows(results))
+    table = _table(results, title, metric_rows(results, harness))
     table.caption = ("exact: numeric equality; tolerance: integer gold needs round(pred) == gold, other gold 4 % "
                      "relative error (DEL paper); digit places of the gold number, a missing place or no number "
-                     "counts wrong; MAE and log-MAE over answers with a number")
+                     "counts wrong; MAE and log-MAE over answers with a number"
+                     + ("; strict-match / flexible-extract: lm-evaluation-harness's GSM8K string match of the "
+                        "number after '#### ' / of the last number" if harness else "")
+                     + ("; with samples every row but pass@k scores the majority-vote answer"
+                        if results and results[0].samples is not None else ""))
     table.caption_justify = "left"
     return table
 
@@ -86,7 +103,14 @@ def prediction_record(p: Problem, prompt: str, generated: str, s: Scored) -> dic
         "exact": s.exact,
         "tolerance": s.tolerance,
         "places": {place_name(k): v for k, v in sorted(s.places.items(), key=lambda kv: -kv[0])},
+        "strict_match": s.strict,
+        "flexible_extract": s.flexible,
     }
+
+
+def sample_records(texts: Sequence[str], scored: Sequence[Scored]) -> list[dict]:
+    """Every sample of one problem: its text, number and exactness."""
+    return [{"generated": t, "extracted": s.extraction.canonical, "exact": s.exact} for t, s in zip(texts, scored)]
 
 
 def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], settings: dict) -> dict:
@@ -103,8 +127,10 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
                 "vs_base": r.vs_base,
                 **({"teacher_forced": {**r.teacher_metrics, "vs_base": r.teacher_vs_base}}
                    if r.teacher_metrics is not None else {}),
-                "predictions": [prediction_record(p, pr, g, s)
-                                for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored)],
+                "predictions": [
+                    {**prediction_record(p, pr, g, s),
+                     **({"samples": sample_records(r.sample_texts[i], r.samples[i])} if r.samples else {})}
+                    for i, (p, pr, g, s) in enumerate(zip(problems, r.prompts, r.generated, r.scored))],
             }
             for r in results
         ],

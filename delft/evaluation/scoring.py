@@ -11,7 +11,8 @@ from rich.console import Console
 
 from delft.evaluation.metrics import summarize
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
-from delft.numbers.answers import Scored, extract_answer, score
+from delft.numbers.answers import Scored, cut_at_stop, extract_answer, score
+from delft.numbers.harness import harness_scores
 
 
 @dataclass
@@ -28,29 +29,71 @@ class ModelResult:
     teacher: Any = None  # delft.evaluation.teacher_forced.TeacherForced with --teacher-forced
     teacher_metrics: Optional[dict] = None
     teacher_vs_base: Optional[dict] = None
+    samples: Optional[list[list[Scored]]] = None  # with eval.samples > 1: every sample scored, per problem
+    sample_texts: Optional[list[list[str]]] = None  # ... and its text
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
                    recipe_cfg, progress=None, task=None, teacher_forced: bool = False) -> ModelResult:
     """Load one model, answer every problem, score the answers (and with ``teacher_forced`` score the gold
     completions, delft.evaluation.teacher_forced); the model is freed afterwards."""
-    from delft.data import render_prompt, use_chat_template
-    from delft.evaluation.generation import greedy, stop_strings
+    from delft.evaluation.generation import generate
     from delft.models.loading import using_model
 
     with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
-        tokenizer = lm.tokenizer
-        chat = use_chat_template(tokenizer, data_cfg)
-        stops = stop_strings(tokenizer, chat)
-        prompts = [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
+        chat, stops, prompts = eval_prompts(lm.tokenizer, problems, data_cfg, recipe_cfg.eval)
         advance = (lambda n: progress.advance(task, n)) if progress is not None else None
-        generations = greedy(lm.model, tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
-                             recipe_cfg.eval.batch_size, on_batch=advance)
-        teacher = _teacher_forced(lm.model, tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
-    generated = [g.text for g in generations]
-    scored = [score(extract_answer(text, stops), p.gold) for text, p in zip(generated, problems)]
+        generations = generate(lm.model, lm.tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
+                               recipe_cfg.eval.batch_size, stops, on_batch=advance,
+                               sampling=sampling_of(recipe_cfg.eval))
+        teacher = _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
+    result = scored_result(name, adapter, chat, stops, prompts, [[g.text for g in gs] for gs in generations],
+                           problems)
+    result.teacher = teacher
+    return result
+
+
+def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> tuple[bool, list[str], list[str]]:
+    """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
+    harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
+    from delft.data import render_prompt, use_chat_template
+    from delft.evaluation.fewshot import fewshot_prompt, question_text
+    from delft.evaluation.generation import stop_strings
+
+    if eval_cfg.fewshot is not None:
+        prompts = [fewshot_prompt(question_text(p.example), eval_cfg.fewshot) for p in problems]
+        return False, stop_strings(tokenizer, False), prompts
+    chat = use_chat_template(tokenizer, data_cfg)
+    return chat, stop_strings(tokenizer, chat), [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
+
+
+def sampling_of(eval_cfg):
+    """The eval section's decoding: None (greedy) for one sample, else delft.evaluation.generation.Sampling."""
+    from delft.evaluation.generation import Sampling
+
+    if eval_cfg.samples == 1:
+        return None
+    return Sampling(eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.seed)
+
+
+def score_text(text: str, problem: Problem, stops: Sequence[str]) -> Scored:
+    """One answer scored: delft's extraction against the gold number, the harness's two scores beside it."""
+    return score(extract_answer(text, stops), problem.gold, harness_scores(cut_at_stop(text, stops), problem.gold_text))
+
+
+def scored_result(name: str, adapter: Optional[str], chat: bool, stops: list[str], prompts: list[str],
+                  texts: Sequence[Sequence[str]], problems: Sequence[Problem]) -> ModelResult:
+    """A ModelResult from each problem's answer texts: one (greedy) or several (sampled; ``scored`` then holds
+    each problem's majority-vote answer, the samples are kept in ``samples``)."""
+    from delft.evaluation.sampling import majority_index
+
+    groups = [[score_text(t, p, stops) for t in ts] for ts, p in zip(texts, problems)]
+    sampled = any(len(ts) > 1 for ts in texts)
+    chosen = [majority_index(g) if sampled else 0 for g in groups]
+    scored = [g[i] for g, i in zip(groups, chosen)]
+    generated = [ts[i] for ts, i in zip(texts, chosen)]
     return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored,
-                       teacher=teacher)
+                       samples=groups if sampled else None, sample_texts=[list(t) for t in texts] if sampled else None)
 
 
 def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):
@@ -90,6 +133,10 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
             task = progress.add_task(name, total=len(problems))
             r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task, teacher_forced)
             r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
+            if r.samples is not None:
+                from delft.evaluation.sampling import summarize_samples
+
+                r.metrics["sampling"] = summarize_samples(r.samples, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
             if r.teacher is not None:
                 from delft.evaluation.teacher_forced import summarize_teacher
 

@@ -1,4 +1,4 @@
-"""Numeric answers: extraction from generated text, scoring against a gold number, and the eval metrics.
+r"""Numeric answers: extraction from generated text, scoring against a gold number, and the eval metrics.
 
 No torch here (numpy for the bootstrap, math-verify only for LaTeX). The rules are documented in docs/evaluation.md#evaluating-delft-eval; every rule here has a test in
 tests/test_answers.py.
@@ -320,12 +320,17 @@ class Scored:
     exact: bool = False
     tolerance: bool = False
     places: dict[int, bool] = field(default_factory=dict)
+    strict: Optional[bool] = None  # lm-evaluation-harness's strict-match (delft.numbers.harness)
+    flexible: Optional[bool] = None  # ... and its flexible-extract
 
     @property
     def has_number(self) -> bool:
         return self.extraction.value is not None
 
 
-def score(extraction: Extraction, gold: Decimal) -> Scored:
+def score(extraction: Extraction, gold: Decimal,
+          harness: tuple[Optional[bool], Optional[bool]] = (None, None)) -> Scored:
+    """``extraction`` against ``gold``; ``harness`` carries the (strict-match, flexible-extract) flags along."""
     pred = extraction.value
-    return Scored(gold, extraction, exact_match(pred, gold), tolerance_match(pred, gold), place_correct(pred, gold))
+    return Scored(gold, extraction, exact_match(pred, gold), tolerance_match(pred, gold), place_correct(pred, gold),
+                  *harness)
