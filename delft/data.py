@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import os
 import random
@@ -27,6 +29,7 @@ class Example:
     completion: str  # what the model learns to produce
     answer: Optional[str] = None  # numeric gold as text, for eval
     row: int = 0  # row in the source (for error messages)
+    item: Any = None  # a generated problem's own record (reasoning-gym's entry, which its score_answer reads)
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -82,6 +85,53 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
         a = b * q
     result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
     return f"What is {format_number(a)} {op} {format_number(b)}?", format_number(result)
+
+
+# ----------------------------------------------------------------------------- reasoning-gym
+
+
+RG_INSTALL = 'pip install "delft[reasoning]" (reasoning-gym, whose generators need no download)'
+
+
+def reasoning_gym_dataset(cfg, where: str = "data"):
+    """reasoning-gym's generated dataset for ``cfg`` (a ReasoningGymConfig); a missing package, an unknown task or
+    option is a UserError naming it."""
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise UserError("data.source reasoning_gym needs the reasoning-gym package, which is not installed",
+                        f"{where}.source", f"Install it: {RG_INSTALL}.") from None
+    if cfg.task not in DATASETS:
+        close = difflib.get_close_matches(cfg.task, list(DATASETS), n=3)
+        hint = f"Did you mean {', '.join(close)}? " if close else ""
+        raise UserError(f"reasoning-gym has no task {cfg.task!r}", f"{where}.reasoning_gym.task",
+                        f"{hint}Its {len(DATASETS)} tasks: python -c 'import reasoning_gym.factory as f; "
+                        "print(sorted(f.DATASETS))'.")
+    fields = {f.name for f in dataclasses.fields(DATASETS[cfg.task][1])} - {"seed", "size"}
+    unknown = sorted(set(cfg.options) - fields)
+    if unknown:
+        raise UserError(f"reasoning-gym task {cfg.task} has no option(s) {', '.join(unknown)}",
+                        f"{where}.reasoning_gym.options", f"Its options: {', '.join(sorted(fields))}.")
+    try:
+        return reasoning_gym.create_dataset(cfg.task, size=cfg.n, seed=cfg.seed, **cfg.options)
+    except (AssertionError, ValueError, TypeError) as e:  # its configs validate with assert
+        raise UserError(f"reasoning-gym refused the options of {cfg.task}: {e or type(e).__name__}",
+                        f"{where}.reasoning_gym.options", "Check the values against the task's config.") from None
+
+
+def reasoning_gym_examples(cfg, where: str = "data") -> list[Example]:
+    """The generated problems as examples: the question as prompt, the answer (or the worked solution, with
+    ``completion: cot`` where the task has one) as completion, the entry kept for the task's own scorer."""
+    out = []
+    for i, entry in enumerate(reasoning_gym_dataset(cfg, where)):
+        answer = str(entry["answer"])
+        cot = (entry.get("metadata") or {}).get("answer_cot")
+        if cfg.completion == "cot" and not cot:
+            raise UserError(f"reasoning-gym task {cfg.task} has no worked solutions (metadata answer_cot)",
+                            f"{where}.reasoning_gym.completion", "Use completion: answer (gsm_symbolic has them).")
+        out.append(Example(str(entry["question"]), str(cot) if cfg.completion == "cot" else answer, answer, i, entry))
+    return out
 
 
 # ----------------------------------------------------------------------------- reading rows
@@ -279,6 +329,8 @@ def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data")
 def load_examples(cfg, where: str = "data") -> list[Example]:
     if cfg.format == "synthetic":
         examples = synthetic_examples(cfg.synthetic)[: cfg.limit]
+    elif cfg.format == "reasoning_gym":
+        examples = reasoning_gym_examples(cfg.reasoning_gym, where)[: cfg.limit]
     else:
         rows, label = _load_rows(cfg, where)
         examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]

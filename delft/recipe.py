@@ -91,6 +91,9 @@ class LoraConfig(Section):
 MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exact (digits.DECIMAL_PRECISION)
 
 
+GENERATED = ("synthetic", "reasoning_gym")  # sources made by a generator: their format is their name
+
+
 class SyntheticConfig(Section):
     n: int = Field(2000, gt=0, description="Number of problems generated.")
     seed: int = Field(0, description="Generator seed (eval uses a different one so sets are disjoint).")
@@ -110,9 +113,23 @@ class SyntheticConfig(Section):
         return self
 
 
+class ReasoningGymConfig(Section):
+    task: str = Field("basic_arithmetic", min_length=1, description="A reasoning-gym task (its procedural "
+                      "generators need no download): basic_arithmetic, decimal_arithmetic, gsm_symbolic, chain_sum, "
+                      "products, ... (`python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))'`).")
+    options: dict[str, Any] = Field(default_factory=dict, description="The task's own settings (its config "
+                                    "dataclass), e.g. {min_digits: 2, max_digits: 3}; unknown ones are refused.")
+    n: int = Field(1000, gt=0, description="Number of problems generated.")
+    seed: int = Field(0, ge=0, description="Generator seed (eval uses a different one, as for synthetic).")
+    completion: Literal["answer", "cot"] = Field(
+        "answer", description="What training completes: the bare answer, or the task's worked solution where it "
+        "has one (gsm_symbolic's answer_cot, ending '#### N').")
+
+
 class DataConfig(Section):
-    source: str = Field("synthetic", description="'synthetic', a local .jsonl/.json/.csv/.parquet file, or a hub id.")
-    format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic"] = Field(
+    source: str = Field("synthetic", description="'synthetic', 'reasoning_gym', a local .jsonl/.json/.csv/.parquet "
+                        "file, or a hub id.")
+    format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic", "reasoning_gym"] = Field(
         "synthetic", description="How rows map to prompt and answer.")
     split: str = Field("train", description="Split of a hub dataset.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a hub dataset.")
@@ -125,11 +142,14 @@ class DataConfig(Section):
     val_size: float = Field(0.05, ge=0, description="Validation split: a fraction (<1) or a number of rows (>=1).")
     packing: bool = Field(False, description="Pack short examples into rows (no attention across examples).")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="The built-in arithmetic source.")
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
+                                              description="Generated problems from reasoning-gym (source reasoning_gym).")
 
     @model_validator(mode="after")
     def _source_format(self):
-        if (self.source == "synthetic") != (self.format == "synthetic"):
-            raise ValueError("source 'synthetic' goes with format 'synthetic' (and only it)")
+        for name in GENERATED:
+            if (self.source == name) != (self.format == name):
+                raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
         return self
 
 
@@ -243,6 +263,8 @@ class Recipe(Section):
             return self.eval.data
         data = self.data.model_copy(deep=True)
         data.synthetic = data.synthetic.model_copy(update={"seed": data.synthetic.seed + EVAL_SEED_OFFSET})
+        data.reasoning_gym = data.reasoning_gym.model_copy(
+            update={"seed": data.reasoning_gym.seed + EVAL_SEED_OFFSET})
         data.val_size = 0
         return data
 

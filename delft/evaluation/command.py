@@ -35,7 +35,7 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     """(recipe config, base model name, eval DataConfig, limit, runs) from the command line."""
     from pydantic import ValidationError
 
-    from delft.recipe import DataConfig, load_recipe
+    from delft.recipe import GENERATED, DataConfig, load_recipe
 
     cfg = load_recipe(recipe_path, list(overrides))
     runs = list(runs)
@@ -52,14 +52,14 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     fields = base_data.model_dump()
     if data is not None:
         fields["source"] = data
-        if data == "synthetic":
-            if data_format not in (None, "synthetic"):
-                raise UserError(f"--data synthetic goes with --format synthetic, not {data_format!r}", "--format",
+        if data in GENERATED:
+            if data_format not in (None, data):
+                raise UserError(f"--data {data} goes with --format {data}, not {data_format!r}", "--format",
                                 "Drop --format.")
-            fields["format"] = "synthetic"
+            fields["format"] = data
         elif data_format is not None:
             fields["format"] = data_format
-        elif base_data.format == "synthetic" or recipe_path is None:
+        elif base_data.format in GENERATED or recipe_path is None:
             raise UserError(f"--format is required with --data {data}", "--format",
                             "Say how rows map to question and answer: gsm8k, svamp, prompt_completion, chat, ...")
     elif data_format is not None:

@@ -91,12 +91,13 @@ def summarize(scored: Sequence[Scored], resamples: int = 1000, seed: int = 0) ->
 
 def harness_metrics(scored: Sequence[Scored], resamples: int, seed: int) -> dict:
     """lm-evaluation-harness's strict-match and flexible-extract rates with their intervals (None without gold
-    texts)."""
+    texts), and the mean of a generated task's own score (None for other sources)."""
     out: dict = {}
     for key, attr in (("strict_match", "strict"), ("flexible_extract", "flexible")):
         values = [getattr(s, attr) for s in scored if getattr(s, attr) is not None]
         ci = bootstrap_ci(values, resamples, seed)
         out[key], out[f"{key}_ci"] = _mean(values), list(ci) if ci else None
+    out["task_score"] = _mean([s.task_score for s in scored if s.task_score is not None])
     return out
 
 

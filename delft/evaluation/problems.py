@@ -33,6 +33,10 @@ def disjoint_from_training(data_cfg, train_data):
     if (data_cfg.source == "synthetic" and train_data.source == "synthetic"
             and data_cfg.synthetic.seed == train_data.synthetic.seed):
         data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
+    if (data_cfg.source == "reasoning_gym" and train_data.source == "reasoning_gym"
+            and data_cfg.reasoning_gym.seed == train_data.reasoning_gym.seed):
+        data_cfg.reasoning_gym = data_cfg.reasoning_gym.model_copy(
+            update={"seed": data_cfg.reasoning_gym.seed + EVAL_SEED_OFFSET})
     return data_cfg
 
 
@@ -67,8 +71,24 @@ def gold_text(example) -> str:
     return str(example.answer if example.answer is not None else example.completion)
 
 
+def task_scorer(data_cfg):
+    """reasoning-gym's own scorer for its problems, as ``f(number text or None, problem) -> float``; None for
+    other sources. It is given delft's reading of the answer (the extracted number, canonical), so the two scores
+    differ only where the task's rule does (a tolerance, partial credit)."""
+    if data_cfg.format != "reasoning_gym":
+        return None
+    import reasoning_gym
+
+    score_answer = reasoning_gym.get_score_answer_fn(data_cfg.reasoning_gym.task)
+    return lambda text, problem: float(score_answer(answer=text, entry=problem.example.item))
+
+
 def describe_source(data_cfg) -> str:
-    return data_cfg.source if data_cfg.source != "synthetic" else f"synthetic (seed {data_cfg.synthetic.seed})"
+    if data_cfg.source == "synthetic":
+        return f"synthetic (seed {data_cfg.synthetic.seed})"
+    if data_cfg.source == "reasoning_gym":
+        return f"reasoning-gym {data_cfg.reasoning_gym.task} (seed {data_cfg.reasoning_gym.seed})"
+    return data_cfg.source
 
 
 def decoding(eval_cfg) -> dict | str:

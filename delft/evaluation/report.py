@@ -43,6 +43,9 @@ def metric_rows(results: Sequence[ModelResult], harness: bool = False
         for key, label in (("strict_match", "strict-match"), ("flexible_extract", "flexible-extract")):
             rows.append((f"{voted}{label} (harness, 95 % CI)", [x[key] for x in m], [_ci_cell(x, key) for x in m],
                          True))
+    if any(x.get("task_score") is not None for x in m):
+        rows.append(("task's own score (reasoning-gym)", [x.get("task_score") for x in m],
+                     [num(x.get("task_score"), ".3f") for x in m], True))
     rows.append(("tolerance match (95 % CI)", [x["tolerance_match"] for x in m],
                  [_ci_cell(x, "tolerance_match") for x in m], True))
     rows.append(("no number", [x["no_number_rate"] for x in m], [pct(x["no_number_rate"]) for x in m], False))
@@ -105,6 +108,7 @@ def prediction_record(p: Problem, prompt: str, generated: str, s: Scored) -> dic
         "places": {place_name(k): v for k, v in sorted(s.places.items(), key=lambda kv: -kv[0])},
         "strict_match": s.strict,
         "flexible_extract": s.flexible,
+        **({"task_score": s.task_score} if s.task_score is not None else {}),
     }
 
 

@@ -48,7 +48,7 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
                                sampling=sampling_of(recipe_cfg.eval))
         teacher = _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg) if teacher_forced else None
     result = scored_result(name, adapter, chat, stops, prompts, [[g.text for g in gs] for gs in generations],
-                           problems)
+                           problems, data_cfg)
     result.teacher = teacher
     return result
 
@@ -76,18 +76,24 @@ def sampling_of(eval_cfg):
     return Sampling(eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.seed)
 
 
-def score_text(text: str, problem: Problem, stops: Sequence[str]) -> Scored:
-    """One answer scored: delft's extraction against the gold number, the harness's two scores beside it."""
-    return score(extract_answer(text, stops), problem.gold, harness_scores(cut_at_stop(text, stops), problem.gold_text))
+def score_text(text: str, problem: Problem, stops: Sequence[str], task_scorer=None) -> Scored:
+    """One answer scored: delft's extraction against the gold number, the harness's two scores beside it, and a
+    generated task's own score (delft.evaluation.problems.task_scorer) when given."""
+    s = score(extract_answer(text, stops), problem.gold, harness_scores(cut_at_stop(text, stops), problem.gold_text))
+    if task_scorer is not None:
+        s.task_score = task_scorer(s.extraction.canonical, problem)
+    return s
 
 
 def scored_result(name: str, adapter: Optional[str], chat: bool, stops: list[str], prompts: list[str],
-                  texts: Sequence[Sequence[str]], problems: Sequence[Problem]) -> ModelResult:
+                  texts: Sequence[Sequence[str]], problems: Sequence[Problem], data_cfg) -> ModelResult:
     """A ModelResult from each problem's answer texts: one (greedy) or several (sampled; ``scored`` then holds
     each problem's majority-vote answer, the samples are kept in ``samples``)."""
+    from delft.evaluation.problems import task_scorer
     from delft.evaluation.sampling import majority_index
 
-    groups = [[score_text(t, p, stops) for t in ts] for ts, p in zip(texts, problems)]
+    scorer = task_scorer(data_cfg)
+    groups = [[score_text(t, p, stops, scorer) for t in ts] for ts, p in zip(texts, problems)]
     sampled = any(len(ts) > 1 for ts in texts)
     chosen = [majority_index(g) if sampled else 0 for g in groups]
     scored = [g[i] for g, i in zip(groups, chosen)]

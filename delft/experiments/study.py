@@ -28,7 +28,16 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
-from delft.recipe import DataConfig, Recipe, Section, SyntheticConfig, describe_error, read_yaml
+from delft.recipe import (
+    GENERATED,
+    DataConfig,
+    ReasoningGymConfig,
+    Recipe,
+    Section,
+    SyntheticConfig,
+    describe_error,
+    read_yaml,
+)
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
@@ -37,8 +46,9 @@ HUB_SPLIT = "test"  # the split a hub eval set reads unless its `split` says oth
 
 class EvalSet(Section):
     source: str = Field("synthetic", description="'synthetic' (the recipes' held-out generator, changed by "
-                                                 "`synthetic`), a data file (a relative file is looked up in "
-                                                 "--data-dir) or a hub dataset id.")
+                                                 "`synthetic`), 'reasoning_gym' (changed by `reasoning_gym`), a "
+                                                 "data file (a relative file is looked up in --data-dir) or a hub "
+                                                 "dataset id.")
     format: Optional[Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp"]] = Field(
         None, description="How a file's or hub dataset's rows map to question and answer (required with either).")
     split: Optional[str] = Field(None, min_length=1, description=f"Split of a hub dataset (default: '{HUB_SPLIT}', "
@@ -50,6 +60,8 @@ class EvalSet(Section):
     max_new_tokens: int = Field(32, gt=0, description="Generation budget per answer (greedy sets).")
     synthetic: dict[str, Any] = Field(default_factory=dict, description="Changes to the held-out generator: "
                                       "seed, min_digits, max_digits, ops, ... (synthetic sets only).")
+    reasoning_gym: dict[str, Any] = Field(default_factory=dict, description="A reasoning-gym set (source "
+                                          "reasoning_gym): task, options, n, seed, as data.reasoning_gym.")
 
 
 class StudyConfig(Section):
@@ -120,6 +132,8 @@ def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -
             raise UserError(f"invalid synthetic changes: {problems}", f"{where}.synthetic",
                             "Use the keys of data.synthetic (seed, min_digits, max_digits, ops, ...).") from None
         fields["format"] = "synthetic"
+    elif spec.source == "reasoning_gym":
+        fields.update(format="reasoning_gym", reasoning_gym=_reasoning_gym_set(spec, fields, where))
     else:
         if spec.synthetic:
             raise UserError("synthetic changes given for a file source", f"{where}.synthetic", "Drop them.")
@@ -135,6 +149,20 @@ def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -
     return disjoint_from_training(DataConfig.model_validate(fields), cfg.data)
 
 
+def _reasoning_gym_set(spec: EvalSet, fields: dict, where: str) -> ReasoningGymConfig:
+    """A reasoning-gym eval set's generator: the recipes' own (when they train on one) changed by the set's keys."""
+    if spec.format not in (None, "reasoning_gym") or spec.synthetic:
+        raise UserError("a reasoning_gym set has no format and no synthetic changes", where, "Drop them.")
+    _no_split(spec, "a reasoning_gym set", where)
+    base = fields["reasoning_gym"] if fields["format"] == "reasoning_gym" else {}
+    try:
+        return ReasoningGymConfig.model_validate({**base, **spec.reasoning_gym})
+    except ValidationError as e:
+        problems = "; ".join(describe_error(err, ReasoningGymConfig) for err in e.errors())
+        raise UserError(f"invalid reasoning_gym set: {problems}", f"{where}.reasoning_gym",
+                        "Use the keys of data.reasoning_gym (task, options, n, seed).") from None
+
+
 def _no_split(spec: EvalSet, what: str, where: str) -> None:
     if spec.split is not None:
         raise UserError(f"{what} has no split (got split: {spec.split}); split names the part of a hub dataset to "
@@ -148,7 +176,7 @@ def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_d
     contenders = resolve_contenders([path.parent / r for r in study.recipes], overrides, console, "delft study",
                                     f"{path}: recipes")
     for c in contenders:
-        if c.recipe.data.source != "synthetic" and not Path(c.recipe.data.source).is_file():
+        if c.recipe.data.source not in GENERATED and not Path(c.recipe.data.source).is_file():
             c.recipe.data.source = _data_file(c.recipe.data.source, data_dir, f"{c.path}: data.source")
     return contenders
 

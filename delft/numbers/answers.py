@@ -322,6 +322,7 @@ class Scored:
     places: dict[int, bool] = field(default_factory=dict)
     strict: Optional[bool] = None  # lm-evaluation-harness's strict-match (delft.numbers.harness)
     flexible: Optional[bool] = None  # ... and its flexible-extract
+    task_score: Optional[float] = None  # a generated task's own scorer (reasoning-gym's score_answer), in [0, 1]
 
     @property
     def has_number(self) -> bool:
