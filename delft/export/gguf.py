@@ -39,7 +39,7 @@ from rich.table import Table
 
 from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
-from delft.export import children
+from delft import children
 from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
@@ -258,7 +258,7 @@ def _extract_converter(sdist: Path, dest: Path) -> None:
 
 def _run_converter(converter: Path, script: str, args: list[str], what: str, owned=()) -> None:
     """One converter run; its known refusals become UserErrors that say what could not be converted. ``owned``:
-    the file it writes, removed should delft die meanwhile (delft.export.children)."""
+    the file it writes, removed should delft die meanwhile (delft.children)."""
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = str(converter / "gguf-py")  # its own gguf-py, not the installed gguf package
     env["TQDM_DISABLE"] = "1"

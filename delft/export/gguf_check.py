@@ -20,7 +20,8 @@ from typing import Optional
 
 from rich.console import Console
 
-from delft.export import children
+from delft import children
+from delft.children import describe_exit
 from delft.models.loading import using_model
 
 
@@ -82,15 +83,6 @@ class LlamaCrashed(Exception):
     def __init__(self, file: str, returncode: int, tail: str):
         self.file, self.returncode, self.tail = file, returncode, tail
         super().__init__(f"{file}: {describe_exit(returncode)}")
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
-        why = {"SIGILL": " (an instruction this CPU traps: llama.cpp was built for another CPU)",
-               "SIGSEGV": " (a crash inside llama.cpp)", "SIGKILL": " (killed, often for memory)"}.get(name, "")
-        return f"killed by {name}{why}"
-    return f"exit status {returncode}"
 
 
 # The child's command line; tests put a stand-in that crashes the way llama.cpp can.

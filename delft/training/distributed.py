@@ -78,14 +78,11 @@ def start(device_pref: str) -> None:
 def _die_with_the_launcher() -> None:
     """On Linux, have the kernel kill this worker when its parent (the launcher's agent) dies, even by SIGKILL,
     so a killed launcher never leaves workers training on. The last checkpoint is intact (written whole)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
     import signal
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    from delft.children import on_parent_death
+
+    if not on_parent_death(signal.SIGKILL):
         return
     if os.getppid() == 1:  # the launcher died before the request took effect
         os._exit(1)

@@ -331,14 +331,14 @@ def test_a_llama_cpp_crash_is_reported_and_the_gguf_phase_resumes(smol_export, s
 
 def test_a_killed_delft_leaves_no_child_and_no_half_written_file(tmp_path):
     """kill -9 of delft while a child (converter, quantiser, llama.cpp check) writes: the guardian kills the child
-    and removes the file it was writing (delft.export.children)."""
+    and removes the file it was writing (delft.children)."""
     import signal
     import subprocess
     import time
 
     owned = tmp_path / ".m-f16.gguf.tmp-1"
     parent = tmp_path / "parent.py"
-    parent.write_text("import sys\nfrom delft.export import children\n"
+    parent.write_text("import sys\nfrom delft import children\n"
                       f"open({str(owned)!r}, 'w').write('x' * 1000)\nprint('started', flush=True)\n"
                       f"children.run(['sleep', '119.5'], [{str(owned)!r}])\n")
     proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True,

@@ -1,4 +1,5 @@
-"""The GGUF phase's child processes (converter, quantiser, llama.cpp check), tied to delft's life.
+"""Child processes tied to delft's life: the GGUF phase's converter and quantiser, and llama.cpp (export's check,
+eval's llama.cpp backend); training's data-parallel workers use :func:`on_parent_death` too.
 
 Each runs under a small guardian (this file, run as a script: standard library only). The kernel sends the
 guardian SIGTERM when delft dies, even by SIGKILL; the guardian then kills its child and removes the files the
@@ -19,22 +20,35 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 
 
-def _on_parent_death(sig: int) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def on_parent_death(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where that cannot be asked (not
+    Linux, no prctl)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
 
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
-        except (OSError, AttributeError):
-            pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def describe_exit(returncode: int) -> str:
+    """A child's exit status in words: 'killed by SIGILL (an instruction this CPU traps: ...)', 'exit status 3'."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
+        why = {"SIGILL": " (an instruction this CPU traps: llama.cpp was built for another CPU)",
+               "SIGSEGV": " (a crash inside llama.cpp)", "SIGKILL": " (killed, often for memory)"}.get(name, "")
+        return f"killed by {name}{why}"
+    return f"exit status {returncode}"
 
 
 def run(cmd: list[str], owned=(), **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, **kwargs) under a guardian that removes ``owned`` (the paths the child writes) and
     kills the child when delft dies."""
     guardian = [sys.executable, str(Path(__file__).resolve()), json.dumps([str(p) for p in owned]), *cmd]
-    return subprocess.run(guardian, preexec_fn=lambda: _on_parent_death(signal.SIGTERM), **kwargs)
+    return subprocess.run(guardian, preexec_fn=lambda: on_parent_death(signal.SIGTERM), **kwargs)
 
 
 def _remove(paths: list[str]) -> None:
@@ -55,7 +69,7 @@ def _guard(owned: list[str], cmd: list[str]) -> int:
         raise _DelftDied  # out of child.wait(), which holds a lock a second wait() here would wait on forever
 
     signal.signal(signal.SIGTERM, delft_died)
-    child = subprocess.Popen(cmd, preexec_fn=lambda: _on_parent_death(signal.SIGKILL))
+    child = subprocess.Popen(cmd, preexec_fn=lambda: on_parent_death(signal.SIGKILL))
     try:
         if os.getppid() == 1:  # delft died before the request took effect
             raise _DelftDied
