@@ -140,7 +140,8 @@ def train(
 @app.command("eval")
 @friendly
 def eval_(
-    targets: Optional[List[str]] = typer.Argument(None, help="[RECIPE.yaml] then run directories or merged models."),
+    targets: Optional[List[str]] = typer.Argument(
+        None, help="[RECIPE.yaml] then run directories, merged models or .gguf files (run in llama.cpp)."),
     model: Optional[str] = typer.Option(None, "--model", help="Base model (overrides the recipe's model.name)."),
     data: Optional[str] = typer.Option(None, "--data", help="Eval data source (file, hub id or 'synthetic')."),
     format: Optional[str] = typer.Option(None, "--format", help="Format of --data (gsm8k, svamp, alpaca, ...)."),
@@ -154,15 +155,19 @@ def eval_(
     samples: Optional[int] = _samples_option(),
     temperature: Optional[float] = _temperature_option(),
     top_p: Optional[float] = _top_p_option(),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="What runs a .gguf --model: transformers (dequantised, the default) or llama.cpp "
+        "(the file as people run it). GGUF files given as runs always run in llama.cpp."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
-    """Numeric accuracy of the base model and adapters, side by side."""
+    """Numeric accuracy of the base model, adapters, merged models and GGUF files, side by side."""
     from delft.evaluation.command import run_eval
 
     recipe, runs = _split_recipe(targets or [])
+    chosen = [f"eval.backend={backend}"] if backend is not None else []
     run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
              include_base=not no_base, json_out=json_out, plot=plot, console=console, teacher_forced=teacher,
-             overrides=[*decoding_overrides(fewshot, samples, temperature, top_p), *set_])
+             overrides=[*decoding_overrides(fewshot, samples, temperature, top_p), *chosen, *set_])
 
 
 @app.command("inspect")

@@ -232,6 +232,9 @@ class EvalConfig(Section):
                          "probability mass (samples > 1; 1 = off).")
     seed: int = Field(0, ge=0, description="Seeds the sampling: the same seed, batch size and eval set give the "
                       "same samples.")
+    backend: Literal["transformers", "llama.cpp"] = Field(
+        "transformers", description="What runs a .gguf base model (model.name / --model): transformers (the file "
+        "dequantised) or llama.cpp (the file as people run it; the [gguf] extra). GGUF runs always use llama.cpp.")
 
 
 class OutputConfig(Section):

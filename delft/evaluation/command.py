@@ -107,9 +107,14 @@ def check_runs(runs: Sequence[str], base: str) -> None:
         read_info,
     )
 
+    from delft.evaluation.gguf_backend import check_gguf, is_gguf
+
     base_config = None
     for run in runs:
         p = Path(run)
+        if is_gguf(run):
+            check_gguf(p, "delft eval")
+            continue
         adapter = check_trained_dir(p, "delft eval") == "adapter"
         if adapter and read_info(p).get("architecture"):
             if base_config is None:
@@ -120,6 +125,23 @@ def check_runs(runs: Sequence[str], base: str) -> None:
                 except (OSError, ValueError):
                     return  # load_for_inference reports it
             check_adapter_matches(p, base, base_config, "delft eval")
+
+
+def check_backend(cfg, base: str, runs: Sequence[str], include_base: bool, teacher_forced: bool) -> None:
+    """eval.backend llama.cpp needs a .gguf base; --teacher-forced needs transformers' logits for every column."""
+    from delft.evaluation.gguf_backend import check_gguf, is_gguf
+
+    llama_base = cfg.eval.backend == "llama.cpp"
+    if llama_base and not is_gguf(base):
+        raise UserError(f"--backend llama.cpp runs a .gguf model, and the base model is {base}", "--backend",
+                        "Pass --model FILE.gguf, or give GGUF files as runs (they always run in llama.cpp).")
+    if llama_base and include_base:
+        check_gguf(Path(base), "--model")
+    gguf = [r for r in runs if is_gguf(r)] + ([base] if llama_base and include_base else [])
+    if teacher_forced and gguf:
+        raise UserError(f"--teacher-forced reads transformers' logits, and {', '.join(map(str, gguf))} would run in "
+                        "llama.cpp", "--teacher-forced", "Drop --teacher-forced, or evaluate the merged model "
+                        "directory (delft export) instead of its GGUF.")
 
 
 def column_names(runs: Sequence[str], include_base: bool) -> list[str]:
@@ -197,6 +219,7 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
                         "Give run directories, or drop --no-base.")
     check_runs(runs, base)
+    check_backend(cfg, base, runs, include_base, teacher_forced)
     check_output_files({"--json": json_out, "--plot": plot})
     if teacher_forced:
         check_teacher_tokenizer(base)

@@ -5,6 +5,7 @@ scored; teacher-forced digit metrics on the gold completions when asked.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rich.console import Console
@@ -119,6 +120,13 @@ def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], d
         return _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg)
 
 
+def in_llama_cpp(adapter: Optional[str], base: str, recipe_cfg) -> bool:
+    """Whether a column runs in llama.cpp: a GGUF run always, a GGUF base model with eval.backend llama.cpp."""
+    from delft.evaluation.gguf_backend import is_gguf
+
+    return is_gguf(adapter) or (adapter is None and is_gguf(base) and recipe_cfg.eval.backend == "llama.cpp")
+
+
 def progress_bar(console: Console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -137,7 +145,14 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
     with progress_bar(console) as progress:
         for name, adapter in columns:
             task = progress.add_task(name, total=len(problems))
-            r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task, teacher_forced)
+            if in_llama_cpp(adapter, base, recipe_cfg):
+                from delft.evaluation.gguf_backend import evaluate_gguf
+
+                r = evaluate_gguf(name, Path(adapter or base), problems, data_cfg, recipe_cfg, base)
+                progress.advance(task, len(problems))
+            else:
+                r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task,
+                                   teacher_forced)
             r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
             if r.samples is not None:
                 from delft.evaluation.sampling import summarize_samples
