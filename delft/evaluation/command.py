@@ -218,8 +218,8 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     if not include_base and not runs:
         raise UserError("nothing to evaluate: --no-base and no run directories", "delft eval",
                         "Give run directories, or drop --no-base.")
-    check_runs(runs, base)
     check_backend(cfg, base, runs, include_base, teacher_forced)
+    check_runs(runs, base)
     check_output_files({"--json": json_out, "--plot": plot})
     if teacher_forced:
         check_teacher_tokenizer(base)

@@ -41,9 +41,10 @@ from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
 from delft import children
 from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
+from delft.export.gguf_probe import PROBE_PROBLEMS, probe_files
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
-from delft.outputs import staged, temporary_sibling, write_atomic
+from delft.outputs import pct, staged, temporary_sibling, write_atomic
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
 
@@ -455,9 +456,16 @@ def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None, resum
     if plan.check:
         try:
             check_files(files, out, run_dir, result.base_model, console)
+            probe_files(files, out, run_dir, console)
         except LlamaCrashed as crash:
             _record(out, files, notes, plan.check)
             raise _crashed(crash, files, out) from None
+        except UserError:  # llama.cpp died answering the probe: what was measured is kept
+            _record(out, files, notes, plan.check)
+            raise
+        notes += [f"llama.cpp tokenises {', '.join(map(repr, f.number_tokens['differ']))} differently from the "
+                  f"training tokenizer in {f.file} (see ggml-org/llama.cpp#6914)"
+                  for f in files if f.number_tokens and not f.number_tokens["match"]]
     _record(out, files, notes, plan.check)
     console.print(gguf_table(files))
     failed = [f for f in files if f.passed is False]
@@ -525,6 +533,7 @@ def _card_section(files: list[GgufFile], notes: list[str], checked: bool, name: 
         verdict = {True: "passed", False: "**FAILED**", None: "not run"}[f.passed]
         size = f"{f.size_bytes / 1e6:.1f} MB"
         lines.append(f"| {f.file} | {f.type} | {size} | {f.made_by} | {err} | {agree} | {verdict} |")
+    lines += _probe_section(files)
     greedy = next((f for f in files if f.greedy or f.greedy_reference), None)
     if greedy:
         lines += ["", f"Greedy answer ({greedy.file}): {greedy.greedy!r}; transformers: {greedy.greedy_reference!r}."]
@@ -536,6 +545,24 @@ def _card_section(files: list[GgufFile], notes: list[str], checked: bool, name: 
     return "\n".join(lines) + "\n"
 
 
+def _probe_section(files: list[GgufFile]) -> list[str]:
+    """The card's table of what quantisation did to the numbers (delft.export.gguf_probe)."""
+    probed = [f for f in files if f.probe]
+    if not probed:
+        return []
+    lines = ["", f"What quantisation did to the numbers: greedy answers to {probed[0].probe['n']} problems of the "
+             "run's held-out set in llama.cpp, beside this model in transformers.", "",
+             "| file | exact match (merged) | digit accuracy (merged) | same answer as merged | numbers tokenised |",
+             "|---|---|---|---|---|"]
+    for f in probed:
+        p, t = f.probe, f.number_tokens or {}
+        split = "as in training" if t.get("match") else f"differently: {', '.join(map(repr, t.get('differ', [])))}"
+        lines.append(f"| {f.file} | {pct(p['exact_match'])} ({pct(p['reference_exact_match'])}) | "
+                     f"{pct(p['digit_accuracy'])} ({pct(p['reference_digit_accuracy'])}) | {pct(p['same_answers'])} | "
+                     f"{split} |")
+    return lines
+
+
 def _failure_text(failed: list[GgufFile]) -> str:
     rows = "\n".join(f"{f.file}: normalised squared error {f.nse:.3g} (tolerance {f.tolerance:g}), llama.cpp's "
                      f"tokenizer {'agrees with' if f.tokens_match else 'differs from'} the model's" for f in failed)
@@ -544,13 +571,13 @@ def _failure_text(failed: list[GgufFile]) -> str:
 
 def gguf_table(files: list[GgufFile]) -> Table:
     table = Table(title="delft export --gguf", title_justify="left")
-    for col in ("file", "size", "sq. error (tol.)", "argmax", "greedy answer (llama.cpp)", "check"):
+    for col in ("file", "size", "sq. error (tol.)", "argmax", f"exact / same answer ({PROBE_PROBLEMS})", "check"):
         table.add_column(col)
     for f in files:
         table.add_row(f.file, f"{f.size_bytes / 1e6:.1f} MB",
                       f"{f.nse:.2g} ({f.tolerance:g})" if f.nse is not None else "-",
                       f"{f.argmax_agreement:.0%}" if f.argmax_agreement is not None else "-",
-                      (f.greedy[:40] + ("..." if len(f.greedy) > 40 else "")) if f.passed is not None else "-",
+                      f"{pct(f.probe['exact_match'], '%')} / {pct(f.probe['same_answers'], '%')}" if f.probe else "-",
                       {True: "[green]passed[/]", False: "[bold red]FAILED[/]", None: "not run"}[f.passed])
     return table
 

@@ -229,6 +229,8 @@ class GgufFile:
     greedy_reference: str = ""  # transformers'
     tokens_match: Optional[bool] = None  # llama.cpp's tokenizer gives the HF token ids on the check texts
     passed: Optional[bool] = None
+    probe: Optional[dict] = None  # answers on the numeric probe set (delft.export.gguf_probe.probe_figures)
+    number_tokens: Optional[dict] = None  # llama.cpp's split of numbers against the training tokenizer's
 
 
 if __name__ == "__main__":

@@ -109,3 +109,32 @@ def test_cli_decoding_options_and_their_refusals(digit_model_path, tmp_path):
     assert r.exit_code == 2 and "top_p" in r.output and "Traceback" not in r.output
     r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", "--fewshot", 9)
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_llama_cpp_sampling_keeps_the_nucleus_and_is_seeded():
+    import numpy as np
+
+    from delft.evaluation.gguf_backend import _pick
+
+    logits = np.array([0.0, 3.0, 2.9, -5.0])
+    assert _pick(logits, None, 1.0, 1.0) == 1  # greedy: the argmax
+    assert {_pick(logits, np.random.default_rng(i), 1.0, 1e-9) for i in range(50)} == {1}  # nucleus of one
+    draws = [_pick(logits, np.random.default_rng(i), 1.0, 0.9) for i in range(200)]
+    assert set(draws) == {1, 2}  # token 0 holds ~3 % of the mass, outside the 0.9 nucleus; token 3 less
+    again = [_pick(logits, np.random.default_rng(i), 1.0, 0.9) for i in range(200)]
+    assert draws == again
+    hot = [_pick(logits, np.random.default_rng(i), 50.0, 1.0) for i in range(400)]
+    assert set(hot) == {0, 1, 2, 3}  # a high temperature flattens the distribution
+
+
+def test_backend_refusals(digit_model_path, tmp_path):
+    r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", "--backend", "llama.cpp")
+    assert r.exit_code == 2 and "--backend llama.cpp runs a .gguf model" in r.output
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF")
+    r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", fake, "--teacher-forced")
+    assert r.exit_code == 2 and "--teacher-forced reads transformers' logits" in r.output
+    r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", tmp_path / "missing.gguf")
+    assert r.exit_code == 2 and "does not exist" in r.output
+    r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", "--backend", "vllm")
+    assert r.exit_code == 2 and "eval.backend" in r.output and "Traceback" not in r.output

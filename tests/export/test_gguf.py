@@ -329,6 +329,67 @@ def test_a_llama_cpp_crash_is_reported_and_the_gguf_phase_resumes(smol_export, s
     assert (again / "README.md").read_text().count("## GGUF") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_the_f16_gguf_answers_as_the_merged_model_in_delft_eval(smol_export, tmp_path):
+    """delft eval's llama.cpp backend: the f16 file gives the merged model's greedy answers on 100 problems (the
+    quickstart recipe's held-out set), and samples through llama.cpp are seeded."""
+    out, res = smol_export
+    assert res.exit_code == 0, res.output
+    report = tmp_path / "eval.json"
+    r = run_cli("eval", REPO / "recipes" / "quickstart.yaml", out, out / "smol-f16.gguf", "--no-base", "--limit", 100,
+                "--json", report, "--set", "model.device=cpu")
+    assert r.exit_code == 0, r.output
+    merged, f16 = json.loads(report.read_text())["models"]
+    assert f16["adapter"].endswith("smol-f16.gguf") and len(f16["predictions"]) == 100
+    same = sum(a["extracted"] == b["extracted"] for a, b in zip(merged["predictions"], f16["predictions"]))
+    assert same >= 95, f"the f16 GGUF gave the merged model's answer on {same} of 100 problems"
+    sampled = [tmp_path / f"s{i}.json" for i in range(3)]
+    for path, seed in zip(sampled, (0, 0, 1)):
+        r = run_cli("eval", "--model", out / "smol-f16.gguf", "--backend", "llama.cpp", "--data", "synthetic",
+                    "--limit", 4, "--samples", 3, "--temperature", 1.0, "--json", path, "--set", f"eval.seed={seed}")
+        assert r.exit_code == 0, r.output
+    texts = [[[s["generated"] for s in p["samples"]] for p in json.loads(path.read_text())["models"][0]["predictions"]]
+             for path in sampled]
+    assert texts[0] == texts[1] != texts[2] and all(len(t) == 3 for t in texts[0])
+
+
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_the_export_reports_what_quantisation_did_to_the_numbers(smol_export):
+    out, res = smol_export
+    assert res.exit_code == 0, res.output
+    files = {f["file"]: f for f in json.loads((out / "delft_export.json").read_text())["gguf"]["files"]}
+    for name in ("smol-f16.gguf", "smol-q8_0.gguf", "smol-q4_k_m.gguf", "smol-lora-f16.gguf"):
+        probe, tokens = files[name]["probe"], files[name]["number_tokens"]
+        assert probe["n"] == 40 and 0 <= probe["exact_match"] <= 1 and 0 <= probe["same_answers"] <= 1, name
+        assert probe["reference_exact_match"] == files["smol-f16.gguf"]["probe"]["reference_exact_match"]
+        assert tokens["match"] and tokens["texts"] >= 10, name  # SmolLM2's digits split alike in llama.cpp
+    assert files["smol-f16.gguf"]["probe"]["same_answers"] >= 0.95
+    assert files["smol-base-f16.gguf"]["probe"] is None
+    card = (out / "README.md").read_text()
+    assert "What quantisation did to the numbers" in card and "| smol-q4_k_m.gguf |" in card
+    assert "probe smol-q4_k_m.gguf: exact match" in " ".join(res.output.split())
+
+
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_a_llama_cpp_crash_in_eval_is_one_paragraph(tmp_path, monkeypatch, digit_model_path):
+    import delft.evaluation.gguf_backend as backend
+
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(backend, "CHILD", [sys.executable, str(crash)])
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    shutil.copy(digit_model_path / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(digit_model_path / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    r = run_cli("eval", "--model", digit_model_path, "--data", "synthetic", "--limit", 2, "--no-base", fake)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "llama.cpp died while answering with model.gguf" in text, r.output
+    assert "SIGSEGV" in text and "Traceback" not in r.output
+
+
 def test_a_killed_delft_leaves_no_child_and_no_half_written_file(tmp_path):
     """kill -9 of delft while a child (converter, quantiser, llama.cpp check) writes: the guardian kills the child
     and removes the file it was writing (delft.children)."""
