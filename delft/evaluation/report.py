@@ -112,6 +112,20 @@ def prediction_record(p: Problem, prompt: str, generated: str, s: Scored) -> dic
     }
 
 
+def predictions(r: ModelResult, problems: Sequence[Problem], prompts: bool = True) -> list[dict]:
+    """Every prediction of one model (with its samples when sampled); ``prompts`` False leaves the rendered
+    prompt out (compare records it once per set)."""
+    out = []
+    for i, (p, pr, g, s) in enumerate(zip(problems, r.prompts, r.generated, r.scored)):
+        rec = prediction_record(p, pr, g, s)
+        if not prompts:
+            del rec["prompt"]
+        if r.samples:
+            rec["samples"] = sample_records(r.sample_texts[i], r.samples[i])
+        out.append(rec)
+    return out
+
+
 def sample_records(texts: Sequence[str], scored: Sequence[Scored]) -> list[dict]:
     """Every sample of one problem: its text, number and exactness."""
     return [{"generated": t, "extracted": s.extraction.canonical, "exact": s.exact} for t, s in zip(texts, scored)]
@@ -131,10 +145,7 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
                 "vs_base": r.vs_base,
                 **({"teacher_forced": {**r.teacher_metrics, "vs_base": r.teacher_vs_base}}
                    if r.teacher_metrics is not None else {}),
-                "predictions": [
-                    {**prediction_record(p, pr, g, s),
-                     **({"samples": sample_records(r.sample_texts[i], r.samples[i])} if r.samples else {})}
-                    for i, (p, pr, g, s) in enumerate(zip(problems, r.prompts, r.generated, r.scored))],
+                "predictions": predictions(r, problems),
             }
             for r in results
         ],

@@ -372,7 +372,7 @@ def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns
              contenders: Sequence[Contender], ref_name: str, seconds: float) -> dict:
     """The JSON section of one eval set: settings, problems, every model's predictions, the seed means."""
     from delft.evaluation.problems import settings_block
-    from delft.evaluation.report import prediction_record
+    from delft.evaluation.report import predictions
     from delft.numbers.answers import canonical
 
     base = columns[0].result
@@ -389,11 +389,7 @@ def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns
     }
     for col in columns:
         r = col.result
-        preds = []
-        for p, pr, g, s in zip(problems, r.prompts, r.generated, r.scored):
-            rec = prediction_record(p, pr, g, s)
-            del rec["prompt"]  # rendered prompts are the same for every model: see problems + prompt_example
-            preds.append(rec)
+        preds = predictions(r, problems, prompts=False)  # the same prompts for every model: see prompt_example
         section["models"].append({
             "name": col.name, "recipe": col.recipe_name, "seed": col.seed, "adapter": col.adapter,
             "loss": losses.get(col.recipe_name), "metrics": r.metrics, "vs_base": col.vs_base,

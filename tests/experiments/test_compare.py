@@ -89,6 +89,17 @@ def test_tiny_compare_end_to_end_and_rerun_reproduces(tmp_path, tiny_recipes):
         assert again["evals"][key]["models"] == on_disk["evals"][key]["models"]
         assert again["evals"][key]["means"] == on_disk["evals"][key]["means"]
 
+    # sampled answers over the same runs (eval settings never change what is trained: the runs are reused)
+    r = run_cli("compare", ce, de, "--samples", 2, "--temperature", 1.0, "--no-transfer", "--out", tmp_path / "out4",
+                "--seed", 0)
+    assert r.exit_code == 0, r.output
+    sampled = json.loads((tmp_path / "out4" / "compare.json").read_text())
+    section = sampled["evals"]["synthetic"]
+    assert section["settings"]["decoding"] == {"samples": 2, "temperature": 1.0, "top_p": 1.0, "seed": 0}
+    for m in section["models"]:
+        assert m["metrics"]["sampling"]["k"] == 2 and all(len(p["samples"]) == 2 for p in m["predictions"])
+    assert "pass@2" in r.output
+
     # a finished run trained with another recipe is never silently reused
     with pytest.raises(UserError, match="different recipe .*train.learning_rate"):
         run_compare([ce, de], out=tmp_path / "out3", console=quiet(), seeds=[0], overrides=["train.learning_rate=0.5"],
