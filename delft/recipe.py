@@ -71,6 +71,9 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/compute dtype; 'auto' = bf16 on CUDA (fp16 if unsupported), fp32 on CPU.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off: it runs arbitrary code).")
+    adapter: Optional[str] = Field(None, description="A LoRA run directory (delft train's, or any peft adapter of "
+                                   "this base model) to continue training, e.g. runs/sft before a GRPO stage; its "
+                                   "rank and targets replace the lora section's.")
 
 
 class QuantizationConfig(Section):
@@ -154,6 +157,9 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
+    stage: Literal["sft", "grpo"] = Field(
+        "sft", description="sft: supervised fine-tuning on the completions; grpo: reinforcement learning from "
+        "verifiable numeric rewards on the data's prompts (TRL's GRPOTrainer; the grpo section).")
     max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training set (when max_steps is unset).")
     batch_size: int = Field(8, gt=0, description="Examples per micro-batch.")
@@ -176,6 +182,24 @@ class TrainConfig(Section):
         0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
     accuracy_examples: int = Field(
         32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
+
+
+class GrpoConfig(Section):
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group GRPO normalises "
+                                 "rewards within).")
+    max_completion_length: int = Field(32, gt=0, description="Tokens per sampled completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    beta: float = Field(0.0, ge=0, description="KL penalty to the reference model (0: no reference model kept).")
+    reward: Literal["exact", "partial"] = Field(
+        "exact", description="exact: 1 when delft's answer scorer finds the gold number, else 0; partial: exact plus "
+        "partial_alpha x the place-weighted share of right digits, each normalised within its group before the sum.")
+    partial_alpha: float = Field(0.2, ge=0, le=1, description="Weight of the digit share in the partial reward.")
+    reward_functions: list[str] = Field(default_factory=list, description="More TRL reward functions, as "
+                                        "'module:function' (weight 1 each), after delft's.")
+    aux_mu: float = Field(0.0, ge=0, description="mu: the auxiliary term's weight, mu x (CE + loss.weight x the digit "
+                          "term) on the gold solutions of the same prompts (0: GRPO alone).")
+    aux_mu_end: Optional[float] = Field(None, ge=0, description="Decay mu linearly to this by the last step "
+                                        "(CHORD: 0.9 -> 0.05); unset: constant.")
 
 
 class LossConfig(Section):
@@ -254,6 +278,7 @@ class Recipe(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 

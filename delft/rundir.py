@@ -22,6 +22,7 @@ LOSS_CURVE = "loss_curve.png"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"  # optimizer, scheduler, RNG states of a checkpoint
+HF_STATE_FILE = "trainer_state.json"  # the same in a checkpoint of transformers' Trainer (train.stage grpo)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 MODEL_CONFIG = "config.json"
@@ -184,7 +185,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    return [c for c in sorted(root.glob(f"{CHECKPOINT_PREFIX}*")) if (c / STATE_FILE).is_file()]
+    return [c for c in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))
+            if (c / STATE_FILE).is_file() or (c / HF_STATE_FILE).is_file()]
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:

@@ -257,3 +257,9 @@ class OracleDigits:
 def oracle_digits(numbers) -> OracleDigits:
     """The oracle's vocabulary with the digit ids of a (single-digit) delft NumberVocab."""
     return OracleDigits(tuple(numbers.digit_ids), numbers.dot_id, numbers.comma_id)
+
+
+def varied_reward(completions, **kwargs):
+    """A TRL reward function for tiny random-init models, which are never right: distinct characters, so rewards
+    vary within a group and GRPO has advantages to learn from (grpo.reward_functions: ['helpers:varied_reward'])."""
+    return [float(len(set(str(c)))) for c in completions]

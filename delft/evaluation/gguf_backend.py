@@ -66,7 +66,7 @@ def evaluate_gguf(name: str, path: Path, problems, data_cfg, recipe_cfg, base: O
                   lora: Optional[Path] = None):
     """One GGUF column: prompts rendered as for transformers, answered in llama.cpp (a child process), scored."""
     from delft.data import prompt_ids
-    from delft.evaluation.scoring import eval_prompts, scored_result
+    from delft.evaluation.results import eval_prompts, scored_result
 
     tokenizer = gguf_tokenizer(path, base)
     chat, stops, prompts = eval_prompts(tokenizer, problems, data_cfg, recipe_cfg.eval)

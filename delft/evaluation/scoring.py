@@ -1,37 +1,18 @@
-"""Generating and scoring: one model (base, or base + adapter) answers every problem greedily, each answer is
-scored; teacher-forced digit metrics on the gold completions when asked.
+"""Generating and scoring: one model (base, or base + adapter) answers every problem (greedy or sampled), each
+answer is scored (delft.evaluation.results); teacher-forced digit metrics on the gold completions when asked; GGUF
+columns go to llama.cpp (delft.evaluation.gguf_backend).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from rich.console import Console
 
 from delft.evaluation.metrics import summarize
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
-from delft.numbers.answers import Scored, cut_at_stop, extract_answer, score
-from delft.numbers.harness import harness_scores
-
-
-@dataclass
-class ModelResult:
-    name: str
-    adapter: Optional[str]
-    template: str = "plain"
-    stop_strings: list[str] = field(default_factory=list)
-    prompts: list[str] = field(default_factory=list)
-    generated: list[str] = field(default_factory=list)
-    scored: list[Scored] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    vs_base: Optional[dict] = None
-    teacher: Any = None  # delft.evaluation.teacher_forced.TeacherForced with --teacher-forced
-    teacher_metrics: Optional[dict] = None
-    teacher_vs_base: Optional[dict] = None
-    samples: Optional[list[list[Scored]]] = None  # with eval.samples > 1: every sample scored, per problem
-    sample_texts: Optional[list[list[str]]] = None  # ... and its text
+from delft.evaluation.results import ModelResult, eval_prompts, sampling_of, scored_result
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
@@ -52,55 +33,6 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
                            problems, data_cfg)
     result.teacher = teacher
     return result
-
-
-def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> tuple[bool, list[str], list[str]]:
-    """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
-    harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
-    from delft.data import render_prompt, use_chat_template
-    from delft.evaluation.fewshot import fewshot_prompt, question_text
-    from delft.evaluation.generation import stop_strings
-
-    if eval_cfg.fewshot is not None:
-        prompts = [fewshot_prompt(question_text(p.example), eval_cfg.fewshot) for p in problems]
-        return False, stop_strings(tokenizer, False), prompts
-    chat = use_chat_template(tokenizer, data_cfg)
-    return chat, stop_strings(tokenizer, chat), [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
-
-
-def sampling_of(eval_cfg):
-    """The eval section's decoding: None (greedy) for one sample, else delft.evaluation.generation.Sampling."""
-    from delft.evaluation.generation import Sampling
-
-    if eval_cfg.samples == 1:
-        return None
-    return Sampling(eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.seed)
-
-
-def score_text(text: str, problem: Problem, stops: Sequence[str], task_scorer=None) -> Scored:
-    """One answer scored: delft's extraction against the gold number, the harness's two scores beside it, and a
-    generated task's own score (delft.evaluation.problems.task_scorer) when given."""
-    s = score(extract_answer(text, stops), problem.gold, harness_scores(cut_at_stop(text, stops), problem.gold_text))
-    if task_scorer is not None:
-        s.task_score = task_scorer(s.extraction.canonical, problem)
-    return s
-
-
-def scored_result(name: str, adapter: Optional[str], chat: bool, stops: list[str], prompts: list[str],
-                  texts: Sequence[Sequence[str]], problems: Sequence[Problem], data_cfg) -> ModelResult:
-    """A ModelResult from each problem's answer texts: one (greedy) or several (sampled; ``scored`` then holds
-    each problem's majority-vote answer, the samples are kept in ``samples``)."""
-    from delft.evaluation.problems import task_scorer
-    from delft.evaluation.sampling import majority_index
-
-    scorer = task_scorer(data_cfg)
-    groups = [[score_text(t, p, stops, scorer) for t in ts] for ts, p in zip(texts, problems)]
-    sampled = any(len(ts) > 1 for ts in texts)
-    chosen = [majority_index(g) if sampled else 0 for g in groups]
-    scored = [g[i] for g, i in zip(groups, chosen)]
-    generated = [ts[i] for ts, i in zip(texts, chosen)]
-    return ModelResult(name, adapter, "chat" if chat else "plain", stops, prompts, generated, scored,
-                       samples=groups if sampled else None, sample_texts=[list(t) for t in texts] if sampled else None)
 
 
 def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):

@@ -16,8 +16,9 @@ this Trainer instead: the term a mean per micro-batch, x accumulation steps x pr
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any, Optional
+
+from delft.models.loading import last_hidden_states  # noqa: F401  (re-exported: integrations.trl uses it)
 
 HIDDEN_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k", "seq_idx")  # what the forward takes besides the labels
@@ -29,24 +30,6 @@ def aligned_labels(inputs: dict):
     if "shift_labels" in inputs:
         return inputs["shift_labels"], 0
     return inputs["labels"][:, 1:], 1
-
-
-@contextmanager
-def last_hidden_states(model):
-    """Capture the decoder's output (the last hidden states, after the final norm) during one forward."""
-    from delft.models.loading import decoder_and_head
-
-    captured: dict[str, Any] = {}
-
-    def hook(module, args, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    decoder, head = decoder_and_head(model)
-    handle = decoder.register_forward_hook(hook)
-    try:
-        yield captured, head
-    finally:
-        handle.remove()
 
 
 class DigitLossMixin:

@@ -157,6 +157,41 @@ def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool 
                         "Use 'all-linear' or names of linear modules in this model.") from None
 
 
+def continue_lora(model, adapter: str, gradient_checkpointing: bool, base: str):
+    """Wrap in the trainable LoRA adapter saved in ``adapter`` (model.adapter: continue a run's training)."""
+    from peft import PeftModel
+
+    from delft.rundir import check_adapter_matches, check_trained_dir
+
+    path = Path(adapter).expanduser()
+    if check_trained_dir(path, "model.adapter") != "adapter":
+        raise UserError(f"model.adapter {adapter} holds a merged model, not a LoRA adapter", "model.adapter",
+                        "Give a run directory with adapter_config.json (or set model.name to the merged model).")
+    check_adapter_matches(path, base, model.config, "model.adapter")
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+    return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+
+
+@contextmanager
+def last_hidden_states(model):
+    """Capture the decoder's output (the last hidden states, after the final norm) during one forward:
+    ``with last_hidden_states(model) as (captured, head): model(...)``, then ``captured["hidden"]``."""
+    captured: dict = {}
+
+    def hook(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    decoder, head = decoder_and_head(model)
+    handle = decoder.register_forward_hook(hook)
+    try:
+        yield captured, head
+    finally:
+        handle.remove()
+
+
 def decoder_and_head(model):
     """The transformer body (returns hidden states after the final norm) and the output layer.
 

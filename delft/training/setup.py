@@ -67,7 +67,12 @@ def build_model(s: Setup, console: Console):
     kernels = apply_liger_layers(model) if s.loss.fused else []
     if s.loss.fused:
         console.print(f"[bold]kernels[/] Liger {', '.join([FUSED_CE] + kernels)}")
-    model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
+    if r.model.adapter:
+        from delft.models.loading import continue_lora
+
+        model = continue_lora(model, r.model.adapter, r.train.gradient_checkpointing, r.model.name)
+    else:
+        model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
     model.train()  # HF skips gradient checkpointing in eval mode (docs/gpu.md: 25 GiB instead of 8.6)
     return model, dtype, kernels
 

@@ -16,9 +16,10 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
-        self.received: Optional[int] = None
-        self._deferring, self._pending, self._old = False, False, {}
+    def __init__(self, immediate: bool = True):
+        self.received: Optional[int] = None  # with immediate False, the signal is only recorded here: the caller
+        # checks it between steps (a loop it does not own, such as TRL's, cannot take an exception mid-step)
+        self._deferring, self._pending, self._old = not immediate, False, {}
 
     def _handle(self, signum, frame):
         if self.received is not None:  # a repeat (torchrun forwards the launcher's signal too) must not cut the save short

@@ -275,6 +275,13 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     or, with ``force``, a replaced earlier run. Returns the run directory."""
     from delft.training.lock import run_lock
 
+    if recipe.train.stage == "grpo":
+        from delft.training.grpo import run_grpo
+
+        if dist.world_size() > 1:
+            raise UserError("train.stage grpo runs in one process here", "train.stage",
+                            "Drop --nproc / torchrun for GRPO (TRL's multi-GPU GRPO goes through accelerate).")
+        return run_grpo(recipe, resume, force, console, resume_command)
     dist.start(recipe.model.device)
     console = dist.rank_console(console or Console())
     check_replaceable(Path(recipe.output.dir))

@@ -1,0 +1,115 @@
+"""delft train with train.stage grpo on a tiny random-init model: the run directory contract (files, metrics,
+eval on the result), exact resume after SIGTERM, continuing an SFT adapter, and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from helpers import recipe_file
+from rich.console import Console
+
+from delft.errors import UserError
+from delft.recipe import load_recipe
+from delft.training.trainer import run_training
+
+pytest.importorskip("trl")
+
+GRPO = {"num_generations": 2, "max_completion_length": 4, "reward": "partial", "aux_mu": 0.5, "aux_mu_end": 0.1,
+        "reward_functions": ["helpers:varied_reward"]}
+TRAIN = {"stage": "grpo", "max_steps": 4, "batch_size": 2, "grad_accum": 2, "save_steps": 2, "logging_steps": 1,
+         "learning_rate": 5e-2}
+
+
+def grpo_recipe(tmp_path, model_dir, name="run", **sections):
+    return recipe_file(tmp_path, model_dir, name, train={**TRAIN, **sections.pop("train", {})},
+                       grpo={**GRPO, **sections.pop("grpo", {})}, loss={"type": "del_prob", "weight": 0.3},
+                       data={"max_length": 48}, **sections)
+
+
+def adapter(run):
+    from safetensors.torch import load_file
+
+    return load_file(run / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_grpo_run_keeps_the_run_directory_contract(tmp_path, tiny_model_dir):
+    from delft.evaluation.command import run_eval
+
+    run = run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir)), console=Console(quiet=True))
+    info = json.loads((run / "delft_run.json").read_text())
+    assert info["status"] == "completed" and info["stage"] == "grpo" and info["step"] == 4
+    assert (run / "recipe.yaml").is_file() and (run / "loss_curve.png").is_file()
+    assert not (run / "checkpoints").exists()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # rewards, advantages and the auxiliary term, per step
+        assert {"reward", "reward_std", "reward_exact", "reward_digits", "reward_varied_reward", "advantage_abs",
+                "ce", "term", "mu", "tokens_per_s"} <= set(r)
+        assert r["advantage_abs"] >= 0 and r["ce"] > 0 and r["reward_varied_reward"] > 0
+    assert any(r["advantage_abs"] > 0 for r in rows)  # rewards varied within a group somewhere
+    assert rows[0]["mu"] == pytest.approx(0.5) and rows[-1]["mu"] == pytest.approx(0.1)  # decayed over the run
+    results = run_eval(runs=[str(run)], model=str(tiny_model_dir), data="synthetic", limit=3, include_base=False,
+                       overrides=["eval.max_new_tokens=4", "eval.bootstrap=10"], console=Console(quiet=True))
+    assert results[0].metrics["n"] == 3  # delft eval takes a GRPO run as it takes an SFT run
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
+    import torch
+
+    from delft.training import grpo
+
+    straight = run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "straight")), console=Console(quiet=True))
+    path = grpo_recipe(tmp_path, tiny_model_dir, "cut")
+    original = grpo.RunDirCallback.on_step_end
+
+    def stop_at_two(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", stop_at_two)
+    with pytest.raises(SystemExit) as stopped:
+        run_training(load_recipe(path), console=Console(quiet=True))
+    assert stopped.value.code == 143
+    cut = tmp_path / "cut"
+    assert json.loads((cut / "delft_run.json").read_text())["status"] == "interrupted"
+    assert (cut / "checkpoints" / "step-000002").is_dir()
+    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", original)
+    run_training(load_recipe(path), console=Console(quiet=True))  # resumes from step 2
+    a, b = adapter(straight), adapter(cut)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_grpo_continues_an_sft_adapter(tmp_path, tiny_model_dir):
+    import torch
+
+    sft = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, "sft", train={"max_steps": 2},
+                                               lora={"r": 4, "alpha": 8})), console=Console(quiet=True))
+    path = grpo_recipe(tmp_path, tiny_model_dir, "rl", model={"name": str(tiny_model_dir), "adapter": str(sft)},
+                       train={"learning_rate": 1e-12, "max_steps": 1})
+    rl = run_training(load_recipe(path), console=Console(quiet=True))
+    before, after = adapter(sft), adapter(rl)
+    assert before.keys() == after.keys()  # the same LoRA (r=4), continued: not a new one from the lora section
+    assert all(torch.allclose(before[k], after[k], atol=1e-6) for k in before)
+    assert json.loads((rl / "delft_run.json").read_text())["continued_from"] == str(sft)
+
+
+def test_grpo_refusals(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match="cannot import 'nowhere:nothing'"):
+        run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "a",
+                                             grpo={"reward_functions": ["nowhere:nothing"]})), console=Console(quiet=True))
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="holds a merged model, not a LoRA adapter"):
+        run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "b",
+                                             model={"name": str(tiny_model_dir), "adapter": str(merged)})),
+                     console=Console(quiet=True))
