@@ -289,7 +289,9 @@ def tolerance_match(pred: Optional[Decimal], gold: Decimal) -> bool:
     other gold needs |pred - gold| <= 4 % of |gold|. No number is wrong."""
     if pred is None:
         return False
-    with exact_context():  # quantize() fails past the context's precision
+    digits = len(pred.as_tuple().digits) + 2  # a model can write a number longer than any precision set in advance
+    with exact_context(), localcontext() as ctx:  # quantize() fails past the context's precision
+        ctx.prec = max(ctx.prec, digits)
         if is_integer(gold):
             return pred.quantize(Decimal(1), rounding=ROUND_HALF_EVEN) == gold
         return abs(pred - gold) <= RELATIVE_TOLERANCE * abs(gold)

@@ -241,3 +241,17 @@ def test_long_numbers_score_exactly():
     assert tolerance_match(gold, gold) and not tolerance_match(near, gold)
     places = place_correct(near, gold)
     assert len(places) == 30 and not places[1] and all(places[p] for p in range(2, 31))
+
+
+def test_tolerance_of_a_number_longer_than_the_decimal_precision():
+    """A rambling model writes a 150-digit number: scored (wrong), not a decimal.InvalidOperation (it stopped a
+    5-shot GSM8K eval of SmolLM2-135M)."""
+    from decimal import Decimal
+
+    from delft.numbers.answers import Extraction, score, tolerance_match
+
+    huge = Decimal("1" * 150 + ".5")
+    assert tolerance_match(huge, Decimal(5)) is False
+    assert tolerance_match(huge, huge.to_integral_value(rounding="ROUND_HALF_EVEN")) is True
+    s = score(Extraction(huge, "1" * 150 + ".5", "last_number"), Decimal(5))
+    assert not s.exact and not s.tolerance and s.places == {1: False}  # units 1, not 5
