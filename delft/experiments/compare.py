@@ -80,10 +80,13 @@ class Column:
     vs_reference: Optional[dict] = None
 
 
+ARM_SECTIONS = ("loss", "grpo")  # what compared recipes may differ in: the loss, and a GRPO stage's reward and aux
+
+
 def _comparable(recipe: Recipe) -> dict[str, Any]:
-    """Every resolved key except the loss section and the free keys."""
+    """Every resolved key except the arm sections (loss, grpo) and the free keys."""
     return {k: v for k, v in flat_keys(recipe.to_dict()).items()
-            if not k.startswith("loss.") and k != "loss" and k not in FREE_KEYS}
+            if k.split(".")[0] not in ARM_SECTIONS and k not in FREE_KEYS}
 
 
 def check_seeds(seeds: Sequence[int], where: str) -> list[int]:
@@ -156,12 +159,12 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             if ref.get(key) != other.get(key):
                 problems.append(f"{key} ({first.path.name}: {ref.get(key)!r}, {c.path.name}: {other.get(key)!r})")
     if problems:
-        raise UserError("the recipes differ in more than their loss section: " + "; ".join(problems),
+        raise UserError("the recipes differ in more than their loss (and grpo) sections: " + "; ".join(problems),
                         where, "Move the shared settings into one base recipe (base: base.yaml) and "
                         "let each recipe set only loss: (and output.dir).")
     for i, a in enumerate(contenders):
         for b in contenders[i + 1:]:
-            if a.recipe.loss == b.recipe.loss:
+            if a.recipe.loss == b.recipe.loss and (a.recipe.train.stage != "grpo" or a.recipe.grpo == b.recipe.grpo):
                 raise UserError(f"{a.path} and {b.path} resolve to the same loss ({a.recipe.loss.type}, weight "
                                 f"{a.recipe.loss.weight:g}): they would train the same run twice",
                                 where, "Drop one of them.")

@@ -66,7 +66,7 @@ class EvalSet(Section):
 
 class StudyConfig(Section):
     recipes: list[str] = Field(..., min_length=2, description="Recipe files relative to this file; they may "
-                                                              "differ only in their loss section.")
+                                                              "differ only in their loss (and grpo) sections.")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Training seeds: every recipe trains once per seed.")
     out: str = Field(..., min_length=1, description="Results directory (relative to the current directory).")
     evals: dict[str, EvalSet] = Field(..., min_length=1, description="Eval sets by name (a name is a file stem).")

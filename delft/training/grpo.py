@@ -107,9 +107,21 @@ def grpo_config(recipe: Recipe, run_dir: Path, steps: int, device: str, funcs_we
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm if t.max_grad_norm > 0 else 1e9, max_steps=steps,
         seed=t.seed, data_seed=t.seed, logging_steps=t.logging_steps, save_strategy="steps", save_steps=t.save_steps,
         save_total_limit=None, report_to=[], disable_tqdm=True, bf16=not cpu and recipe.model.dtype != "float32",
-        use_cpu=cpu, gradient_checkpointing=t.gradient_checkpointing and not cpu, use_vllm=False,
+        use_cpu=cpu, gradient_checkpointing=t.gradient_checkpointing and not cpu, **vllm_settings(cpu),
         reward_weights=weights, multi_objective_aggregation=aggregation, remove_unused_columns=False,
         log_completions=False)
+
+
+def vllm_settings(cpu: bool) -> dict:
+    """vLLM generates the samples on CUDA when it is installed, in the training process (TRL's colocate mode);
+    never on the CPU. Not run in delft's tests (no GPU there): docs/grpo.md#on-cuda."""
+    if cpu:
+        return {"use_vllm": False}
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"use_vllm": False}
+    return {"use_vllm": True, "vllm_mode": "colocate"}
 
 
 def _callback_base():

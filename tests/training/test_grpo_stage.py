@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from helpers import recipe_file
+from helpers import REPO, recipe_file
 from rich.console import Console
 
 from delft.errors import UserError
@@ -113,3 +113,40 @@ def test_grpo_refusals(tmp_path, tiny_model_dir):
         run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "b",
                                              model={"name": str(tiny_model_dir), "adapter": str(merged)})),
                      console=Console(quiet=True))
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_grpo_three_steps_log_and_resume_exactly(tmp_path, monkeypatch):
+    """The real SmolLM2-135M, three GRPO steps on the CPU with the partial reward and the auxiliary CE + DEL term:
+    rewards, advantages and the term are logged every step, and SIGTERM after step 2 + resume gives the
+    uninterrupted run's adapter."""
+    import torch
+
+    from delft.training import grpo
+
+    def recipe(name):
+        return load_recipe(REPO / "recipes" / "grpo" / "arithmetic.yaml", [
+            "model.adapter=null", "train.max_steps=3", "train.save_steps=2", "train.batch_size=2",
+            "grpo.num_generations=2", "grpo.max_completion_length=8", "train.learning_rate=1e-4",
+            "grpo.aux_mu=0.3", f"output.dir={tmp_path / name}", "model.device=cpu"])
+
+    straight = run_training(recipe("straight"), console=Console(quiet=True))
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["reward"] is not None and r["advantage_abs"] is not None and r["ce"] > 0 and r["term"] > 0
+    original = grpo.RunDirCallback.on_step_end
+
+    def stop_at_two(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", stop_at_two)
+    with pytest.raises(SystemExit):
+        run_training(recipe("cut"), console=Console(quiet=True))
+    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", original)
+    cut = run_training(recipe("cut"), console=Console(quiet=True))
+    a, b = adapter(straight), adapter(cut)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
