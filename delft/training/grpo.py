@@ -275,6 +275,11 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
     from delft.training.signals import StopSignals
 
     console = console or Console()
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise UserError("train.stage grpo runs TRL's GRPOTrainer, and trl is not installed", "train.stage",
+                        'Install it: pip install "delft[trl]" (TRL 1.16).') from None
     run = Path(recipe.output.dir)
     check_replaceable(run)
     check_writable(run)
