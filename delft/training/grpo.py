@@ -212,7 +212,8 @@ def build_trainer(recipe: Recipe, run_dir: Path, console: Console, stops):
     callback = RunDirCallback(run_dir, stops, console, recipe.train.keep_checkpoints, term_name)
     trainer = DigitGRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=s.tokenizer, reward_funcs=rewards[0], callbacks=[callback],
-                               digit_loss={"type": loss.type, "weight": loss.weight, "place_weights": loss.place_weights},
+                               digit_loss={"type": loss.type, "weight": loss.weight,
+                                           "place_weights": loss.place_weights},
                                aux_mu=recipe.grpo.aux_mu, aux_mu_end=recipe.grpo.aux_mu_end)
     from transformers.trainer_callback import PrinterCallback
 

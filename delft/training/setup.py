@@ -84,7 +84,9 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
     chosen = "(auto)" if s.recipe.quantization.mode == "auto" else ""
     console.print(f"[bold]model[/] {s.recipe.model.name} {('- ' + s.model_ref.note) if s.model_ref.note else ''}")
     console.print(f"  device {s.device}, dtype {str(dtype).replace('torch.', '')}, quantization {s.quantization} "
-                  f"{chosen}, LoRA r={s.recipe.lora.r}: {trainable:,} trainable of {total:,} parameters")
+                  f"{chosen}, " + (f"LoRA continued from {s.recipe.model.adapter}" if s.recipe.model.adapter
+                                   else f"LoRA r={s.recipe.lora.r}")
+                  + f": {trainable:,} trainable of {total:,} parameters")
     console.print(f"[bold]data[/] {st.examples} examples -> {st.train} train / {st.val} validation; "
                   f"{st.label_tokens:,} trainable labels, {st.digit_labels:,} digit labels "
                   f"({st.digit_labels / max(1, st.label_tokens):.0%})")
