@@ -212,8 +212,7 @@ def build_trainer(recipe: Recipe, run_dir: Path, console: Console, stops):
     callback = RunDirCallback(run_dir, stops, console, recipe.train.keep_checkpoints, term_name)
     trainer = DigitGRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=s.tokenizer, reward_funcs=rewards[0], callbacks=[callback],
-                               digit_loss={"type": loss.type, "weight": loss.weight,
-                                           "place_weights": loss.place_weights},
+                               digit_loss=aux_loss_options(loss),
                                aux_mu=recipe.grpo.aux_mu, aux_mu_end=recipe.grpo.aux_mu_end)
     from transformers.trainer_callback import PrinterCallback
 
@@ -226,6 +225,15 @@ def build_trainer(recipe: Recipe, run_dir: Path, console: Console, stops):
                   + (f"; auxiliary mu {g.aux_mu:g}" + (f" -> {g.aux_mu_end:g}" if g.aux_mu_end is not None else "")
                      + f" x (CE + {loss.weight:g} x {loss.type})" if g.aux_mu or g.aux_mu_end else ""))
     return trainer, s, steps
+
+
+def aux_loss_options(loss) -> dict:
+    """The recipe's loss section as DigitLoss options (the type's own, such as dist2's tau, only for that type),
+    normalised globally: the auxiliary term is a mean over the whole gold batch."""
+    from delft.losses.registry import LOSS_TYPES
+
+    return {"type": loss.type, "weight": loss.weight, "place_weights": loss.place_weights,
+            "place_weight_cap": loss.place_weight_cap, **{p: getattr(loss, p) for p in LOSS_TYPES[loss.type].params}}
 
 
 def start_info(run_dir: Path, recipe: Recipe, s, model, steps: int) -> None:
