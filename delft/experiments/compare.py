@@ -233,7 +233,10 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
         else:
             raise UserError(f"{run_dir} exists and is not a delft run", where,
                             f"Move it away ({where.split()[-1]} keeps its runs beside the recipes' output.dir).")
-    console.rule(f"[bold]{run_dir.name}[/]: training ({cfg.loss.type}, seed {cfg.train.seed})")
+    g = cfg.grpo
+    arm = cfg.loss.type if cfg.train.stage != "grpo" else (
+        f"GRPO, {g.reward} reward" + (f", aux mu {g.aux_mu:g} with {cfg.loss.type}" if g.aux_mu else ""))
+    console.rule(f"[bold]{run_dir.name}[/]: training ({arm}, seed {cfg.train.seed})")
     start = time.perf_counter()
     run_training(cfg, resume=None, force=force, console=console, resume_command=command)
     seconds = time.perf_counter() - start
