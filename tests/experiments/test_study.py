@@ -14,6 +14,7 @@ from delft.experiments.study import _contenders, eval_data, load_study, run_stud
 from delft.recipe import load_recipe
 
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
+LOSS_STUDIES = [p for p in STUDIES if p.name != "grpo.study.yaml"]  # the GRPO study's arms differ in grpo too
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
@@ -21,7 +22,7 @@ def quiet() -> Console:
     return Console(width=160, record=True)
 
 
-@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LOSS_STUDIES, ids=lambda p: p.name)
 def test_shipped_studies_resolve(path, tmp_path):
     study = load_study(path)
     assert path.read_text().startswith(f"# delft study recipes/study/{path.name}")
@@ -43,6 +44,23 @@ def test_shipped_studies_resolve(path, tmp_path):
         data = eval_data(name, spec, cfg0, tmp_path)
         if data.source == "synthetic":
             assert data.synthetic.seed != cfg0.data.synthetic.seed  # held out from training
+
+
+def test_the_grpo_study_resolves_to_its_four_arms(tmp_path):
+    path = REPO / "recipes" / "study" / "grpo.study.yaml"
+    study = load_study(path)
+    assert path.read_text().startswith("# delft study recipes/study/grpo.study.yaml")
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    by = {c.name: c.recipe for c in contenders}
+    assert list(by) == ["grpo", "grpo_ce", "grpo_del", "grpo_partial"] and len(study.seeds) >= 2
+    for r in by.values():  # every arm continues the quickstart's adapter with GRPO
+        assert r.train.stage == "grpo" and r.model.adapter == "runs/quickstart"
+    assert (by["grpo"].grpo.aux_mu, by["grpo"].grpo.reward) == (0.0, "exact")
+    assert by["grpo_ce"].grpo.aux_mu > 0 and by["grpo_ce"].loss.type == "ce"
+    assert by["grpo_del"].grpo == by["grpo_ce"].grpo and by["grpo_del"].loss.type == "del_prob"
+    assert by["grpo_partial"].grpo.reward == "partial" and by["grpo_partial"].grpo.aux_mu == 0.0
+    quick = load_recipe(QUICKSTART)
+    assert by["grpo"].data.synthetic.seed != quick.data.synthetic.seed  # other problems than the SFT stage's
 
 
 def test_worked_study_evaluates_enough_gold_solutions_with_room_to_reason():
