@@ -403,6 +403,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
         "evals": {key: section for key, (section, _) in sections.items()},
     })
     report["plots"] = {key: str(out / f"{key}.png") for key in sections}
+    from delft.experiments.seed_level import seed_analysis
+
+    report["seed_level"] = seed_analysis(report)
     _write_results(out, report, tables.export_text(), sections, study.seeds, f"{path}: out")
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
                   f"{len(sections)} plots in {out}")

@@ -124,6 +124,9 @@ def study_summary(report: dict) -> str:
               "the 5 % level, (1.96 + 0.84) standard errors, the standard error read off the interval.", ""]
     for key, sec in report["evals"].items():
         lines += headline(key, sec, seeds)
+    from delft.experiments.seed_level import seed_level_lines
+
+    lines += seed_level_lines(report.get("seed_level", []))
     lines += ["## Every set in full", ""]
     for key, sec in report["evals"].items():
         if sec["settings"]["mode"] == "teacher_forced":

@@ -142,6 +142,14 @@ def test_tiny_study_end_to_end(tmp_path, tiny_study):
     assert (long["min_digits"], long["max_digits"]) == (3, 4)
     summary = (out / "summary.md").read_text()
     assert "#### held_out (4 problems, greedy): difference from ce" in summary
+    rows = on_disk["seed_level"]  # the seed as the unit, Holm over the comparisons: greedy sets only
+    assert rows and {r["set"] for r in rows} <= {k for k, v in on_disk["evals"].items()
+                                                  if v["settings"]["mode"] == "greedy"}
+    for r in rows:
+        assert r["recipe"] == "del" and r["reference"] == "ce" and r["holm_p"] >= r["hierarchical"]["p"]
+        lo, hi = r["hierarchical"]["ci"]
+        assert lo <= r["hierarchical"]["difference"] <= hi and len(r["seed_level"]["per_seed"]) == len(r["seeds"])
+    assert "## With the seed as the unit" in summary
     assert "| del | teacher-forced digit accuracy, points |" in summary and "| **del (mean)** |" in summary
     assert "--data-dir" in on_disk["command"] and report["seconds"]["total"] > 0
     detectable = summary.split("#### gsm8k_gold")[1].splitlines()[4].rsplit("|", 2)[1].strip()
