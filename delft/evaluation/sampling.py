@@ -62,7 +62,8 @@ def summarize_samples(samples: Sequence[Sequence[Scored]], resamples: int, seed:
         ci = bootstrap_ci(xs, resamples, seed)
         out[name] = sum(xs) / len(xs) if xs else None
         out[f"{name}_ci"] = list(ci) if ci else None
-    agree = [sum(s.extraction.value == majority_vote(g).extraction.value for s in g if s.has_number) / len(g)
-             for g in samples if majority_vote(g).has_number]
+    voted = [(g, majority_vote(g)) for g in samples]
+    agree = [sum(s.extraction.value == v.extraction.value for s in g if s.has_number) / len(g)
+             for g, v in voted if v.has_number]
     out["vote_share"] = sum(agree) / len(agree) if agree else None  # how often a sample gives the voted number
     return out

@@ -46,6 +46,7 @@ def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None
     from delft.evaluation.gguf_backend import evaluate_gguf
     from delft.evaluation.problems import load_problems
     from delft.evaluation.scoring import evaluate_model
+    from delft.models.loading import load_tokenizer
 
     chosen = [f for f in files if f.kind in ("merged", "lora")]
     if not chosen:
@@ -54,11 +55,12 @@ def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None
     problems, _ = load_problems(data, Console(quiet=True))
     reference = evaluate_model("merged", str(out), None, problems, data, cfg)
     base_file = next((out / f.file for f in files if f.kind == "base"), None)
+    tokenizer = load_tokenizer(str(out))
     for f in chosen:
         path, lora = (base_file, out / f.file) if f.kind == "lora" else (out / f.file, None)
         result = evaluate_gguf(f.file, path, problems, data, cfg, lora=lora)
         f.probe = probe_figures(result.scored, reference.scored)
-        f.number_tokens = number_tokens(path, out, lora)
+        f.number_tokens = number_tokens(path, tokenizer, lora)
         console.print(f"  probe {f.file}: exact match {f.probe['exact_match']:.0%} (merged model "
                       f"{f.probe['reference_exact_match']:.0%}), digit accuracy {f.probe['digit_accuracy']:.0%} "
                       f"({f.probe['reference_digit_accuracy']:.0%}), same answer as the merged model on "
@@ -77,12 +79,10 @@ def probe_figures(scored: list, reference: list) -> dict:
             "same_answers": same / len(scored) if scored else None}
 
 
-def number_tokens(path: Path, out: Path, lora: Optional[Path]) -> dict:
+def number_tokens(path: Path, tokenizer, lora: Optional[Path]) -> dict:
     """llama.cpp's token ids for NUMBER_TEXTS against the training tokenizer's: which texts split differently."""
     from delft.evaluation.gguf_backend import run_llama
-    from delft.models.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(str(out))
     theirs = run_llama(path, {"prompts": [], "tokenize": NUMBER_TEXTS, "n_ctx": 64}, lora)["tokens"]
     differ = [t for t, ids in zip(NUMBER_TEXTS, theirs) if tokenizer.encode(t, add_special_tokens=False) != ids]
     return {"match": not differ, "texts": len(NUMBER_TEXTS), "differ": differ}

@@ -137,6 +137,7 @@ class RunDirCallback(_callback_base()):
     def __init__(self, run_dir: Path, stops, console: Console, keep: int, term_name: str):
         self.run_dir, self.stops, self.console, self.keep, self.term_name = run_dir, stops, console, keep, term_name
         self.started, self.last = time.perf_counter(), (time.perf_counter(), 0)
+        self.first_step: Optional[int] = None  # the step before the first logged one (a resumed run's checkpoint)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stops.received is not None:
@@ -170,8 +171,9 @@ class RunDirCallback(_callback_base()):
         return (tokens - n0) / max(now - t0, 1e-9)
 
     def line(self, row: dict, state) -> str:
-        done = max(1, state.global_step - getattr(self, "_first_step", 0))
-        self._first_step = getattr(self, "_first_step", state.global_step - 1)
+        if self.first_step is None:
+            self.first_step = state.global_step - 1
+        done = max(1, state.global_step - self.first_step)
         eta = (time.perf_counter() - self.started) / done * (state.max_steps - state.global_step)
         aux = (f"  aux CE {row['ce']:.4f} {self.term_name} {row['term']:.4f} mu {row['mu']:.2f}"
                if row.get("mu") else "")

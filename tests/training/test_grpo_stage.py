@@ -57,29 +57,36 @@ def test_a_grpo_run_keeps_the_run_directory_contract(tmp_path, tiny_model_dir):
     assert results[0].metrics["n"] == 3  # delft eval takes a GRPO run as it takes an SFT run
 
 
+def sigterm_after(step: int, monkeypatch):
+    """SIGTERM to this process at the end of optimizer step ``step`` (the run then saves it and exits 143);
+    returns the undo."""
+    from delft.training import grpo
+
+    original = grpo.RunDirCallback.on_step_end
+
+    def stop(self, args, state, control, **kwargs):
+        if state.global_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", stop)
+    return lambda: monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", original)
+
+
 @pytest.mark.slow
 def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     import torch
 
-    from delft.training import grpo
-
     straight = run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "straight")), console=Console(quiet=True))
     path = grpo_recipe(tmp_path, tiny_model_dir, "cut")
-    original = grpo.RunDirCallback.on_step_end
-
-    def stop_at_two(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, args, state, control, **kwargs)
-
-    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", stop_at_two)
+    undo = sigterm_after(2, monkeypatch)
     with pytest.raises(SystemExit) as stopped:
         run_training(load_recipe(path), console=Console(quiet=True))
     assert stopped.value.code == 143
     cut = tmp_path / "cut"
     assert json.loads((cut / "delft_run.json").read_text())["status"] == "interrupted"
     assert (cut / "checkpoints" / "step-000002").is_dir()
-    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", original)
+    undo()
     run_training(load_recipe(path), console=Console(quiet=True))  # resumes from step 2
     a, b = adapter(straight), adapter(cut)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -123,8 +130,6 @@ def test_smollm2_grpo_three_steps_log_and_resume_exactly(tmp_path, monkeypatch):
     uninterrupted run's adapter."""
     import torch
 
-    from delft.training import grpo
-
     def recipe(name):
         return load_recipe(REPO / "recipes" / "grpo" / "arithmetic.yaml", [
             "model.adapter=null", "train.max_steps=3", "train.save_steps=2", "train.batch_size=2",
@@ -136,17 +141,10 @@ def test_smollm2_grpo_three_steps_log_and_resume_exactly(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["reward"] is not None and r["advantage_abs"] is not None and r["ce"] > 0 and r["term"] > 0
-    original = grpo.RunDirCallback.on_step_end
-
-    def stop_at_two(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, args, state, control, **kwargs)
-
-    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", stop_at_two)
+    undo = sigterm_after(2, monkeypatch)
     with pytest.raises(SystemExit):
         run_training(recipe("cut"), console=Console(quiet=True))
-    monkeypatch.setattr(grpo.RunDirCallback, "on_step_end", original)
+    undo()
     cut = run_training(recipe("cut"), console=Console(quiet=True))
     a, b = adapter(straight), adapter(cut)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
