@@ -46,8 +46,11 @@ def format_number(value: Decimal) -> str:
 # ----------------------------------------------------------------------------- synthetic arithmetic
 
 
-def _operand(rng: random.Random, cfg, decimals: int) -> Decimal:
-    digits = rng.randint(cfg.min_digits, cfg.max_digits)
+def _operand(rng: random.Random, cfg, decimals: int, second: bool = False) -> Decimal:
+    low_digits, high_digits = (cfg.min_digits, cfg.max_digits)
+    if second and cfg.second_digits is not None:
+        low_digits, high_digits = cfg.second_digits
+    digits = rng.randint(low_digits, high_digits)
     low = 0 if digits == 1 else 10 ** (digits - 1)
     value = Decimal(rng.randint(low, 10**digits - 1))
     if decimals:
@@ -78,7 +81,7 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
     if op == "copy":
         a = _operand(rng, cfg, decimals)
         return f"Repeat {format_number(a)}", format_number(a)
-    a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0)
+    a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0, second=True)
     if op == "/":
         b = b if b != 0 else Decimal(rng.randint(1, 9))
         q = _operand(rng, cfg, decimals)

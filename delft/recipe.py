@@ -64,8 +64,40 @@ def _kind(annotation) -> str:
     return found[0] if found else "choice such as " + ", ".join(repr(a) for a in typing.get_args(annotation)[:4])
 
 
+CHAR_TOKENIZER = "char"  # model.tokenizer: delft's character-level tokenizer (every digit one token)
+
+
+class ArchitectureConfig(Section):
+    """A Llama-style decoder built from random weights (model.init: scratch)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
+    layers: int = Field(4, gt=0, description="Decoder layers.")
+    heads: int = Field(4, gt=0, description="Attention heads (hidden_size must divide by it).")
+    kv_heads: Optional[int] = Field(None, gt=0, description="Key/value heads (grouped-query attention); unset: heads.")
+    intermediate_size: int = Field(384, gt=0, description="Width of the SwiGLU MLP.")
+    context: int = Field(128, gt=8, description="Most positions (data.max_length must fit in it).")
+    tie_embeddings: bool = Field(True, description="Share the input embedding and the output layer (small models).")
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size {self.hidden_size} does not divide into {self.heads} heads")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} does not divide into {self.kv_heads} kv_heads")
+        return self
+
+
 class ModelConfig(Section):
-    name: str = Field("smollm2-135m", description="Hub id, local directory, .gguf file, or the alias 'smollm2-135m'.")
+    name: str = Field("smollm2-135m", description="Hub id, local directory, .gguf file, or the alias 'smollm2-135m' "
+                      "(not read with init: scratch).")
+    init: Literal["pretrained", "scratch"] = Field(
+        "pretrained", description="pretrained: model.name's weights; scratch: random weights in the shape of "
+        "model.architecture, trained from nothing (needs train.finetuning: full).")
+    architecture: Optional[ArchitectureConfig] = Field(
+        None, description="init: scratch only: the Llama-style shape (hidden_size, layers, heads, ...).")
+    tokenizer: Optional[str] = Field(
+        None, description=f"init: scratch only: '{CHAR_TOKENIZER}' (delft's character-level tokenizer: every digit, "
+        "letter and sign one token; the default) or a tokenizer source (directory, hub id, 'smollm2-135m').")
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when present, else CPU.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -74,6 +106,19 @@ class ModelConfig(Section):
     adapter: Optional[str] = Field(None, description="A LoRA run directory (delft train's, or any peft adapter of "
                                    "this base model) to continue training, e.g. runs/sft before a GRPO stage; its "
                                    "rank and targets replace the lora section's.")
+
+    @model_validator(mode="after")
+    def _init(self):
+        if self.init == "scratch":
+            if self.adapter is not None:
+                raise ValueError("init: scratch has no adapter to continue (drop model.adapter)")
+            if self.architecture is None:
+                object.__setattr__(self, "architecture", ArchitectureConfig())
+            if self.tokenizer is None:
+                object.__setattr__(self, "tokenizer", CHAR_TOKENIZER)
+        elif self.architecture is not None or self.tokenizer is not None:
+            raise ValueError("architecture and tokenizer only apply to init: scratch (a pretrained model has its own)")
+        return self
 
 
 class QuantizationConfig(Section):
@@ -106,6 +151,9 @@ class SyntheticConfig(Section):
     min_digits: int = Field(1, ge=1, le=MAX_SYNTHETIC_DIGITS, description="Fewest digits in an operand's integer part.")
     max_digits: int = Field(3, ge=1, le=MAX_SYNTHETIC_DIGITS,
                             description=f"Most digits in an operand's integer part (up to {MAX_SYNTHETIC_DIGITS}).")
+    second_digits: Optional[tuple[int, int]] = Field(
+        None, description="[fewest, most] digits of the second operand (e.g. [2, 2] for 3-digit x 2-digit "
+        "products with min_digits = max_digits = 3); unset: as the first. Division: the divisor's.")
     decimal_fraction: float = Field(0.25, ge=0, le=1, description="Share of problems with decimal operands.")
     negative_fraction: float = Field(0.15, ge=0, le=1, description="Share of operands that are negative.")
 
@@ -113,6 +161,11 @@ class SyntheticConfig(Section):
     def _digits_order(self):
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) is larger than max_digits ({self.max_digits})")
+        if self.second_digits is not None:
+            low, high = self.second_digits
+            if not 1 <= low <= high <= MAX_SYNTHETIC_DIGITS:
+                raise ValueError(f"second_digits {list(self.second_digits)} must be [fewest, most] with "
+                                 f"1 <= fewest <= most <= {MAX_SYNTHETIC_DIGITS}")
         return self
 
 
@@ -160,6 +213,15 @@ class TrainConfig(Section):
     stage: Literal["sft", "grpo"] = Field(
         "sft", description="sft: supervised fine-tuning on the completions; grpo: reinforcement learning from "
         "verifiable numeric rewards on the data's prompts (TRL's GRPOTrainer; the grpo section).")
+    finetuning: Literal["lora", "full"] = Field(
+        "lora", description="lora: train a LoRA adapter (the lora section) on the frozen base; full: train every "
+        "weight (the paper's setting; the run saves a standalone model, no merge step).")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="adamw: AdamW with fp32 states (bitsandbytes' 32-bit AdamW when weights are bf16/fp16, "
+        "so the states stay fp32); adamw_8bit: bitsandbytes' 8-bit AdamW (CUDA only; a quarter of the state memory).")
+    snapshot_steps: list[int] = Field(
+        default_factory=list, description="Steps at which a copy of the model (or adapter) is kept in "
+        "snapshots/step-N of the run, for learning curves (delft study's curve evaluates them).")
     max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training set (when max_steps is unset).")
     batch_size: int = Field(8, gt=0, description="Examples per micro-batch.")
@@ -182,6 +244,13 @@ class TrainConfig(Section):
         0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
     accuracy_examples: int = Field(
         32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
+
+    @field_validator("snapshot_steps")
+    @classmethod
+    def _snapshots(cls, steps: list[int]) -> list[int]:
+        if any(s <= 0 for s in steps):
+            raise ValueError("snapshot steps are optimizer steps, 1 or more")
+        return sorted(set(steps))
 
 
 class GrpoConfig(Section):
@@ -281,6 +350,25 @@ class Recipe(Section):
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _finetuning(self):
+        full = self.train.finetuning == "full"
+        if self.model.init == "scratch" and not full:
+            raise ValueError("model.init scratch has no pretrained weights for LoRA to adapt: set train.finetuning: "
+                             "full")
+        if full and self.quantization.mode == "nf4":
+            raise ValueError("train.finetuning full trains every weight, and nf4 weights cannot be trained: set "
+                             "quantization.mode: none (or auto), or use train.finetuning: lora (QLoRA)")
+        if full and self.model.adapter is not None:
+            raise ValueError("train.finetuning full trains the model itself; model.adapter continues a LoRA adapter "
+                             "(drop one of them)")
+        if full and self.train.stage == "grpo":
+            raise ValueError("train.stage grpo trains a LoRA policy here; use train.finetuning: lora")
+        if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
+            raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
+                             f"{self.model.architecture.context}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

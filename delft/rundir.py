@@ -1,8 +1,8 @@
 """The run directory's contract: what `delft train` writes and eval, inspect, export and compare read.
 
-A run directory holds a peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``), the
-tokenizer, the resolved ``recipe.yaml``, ``delft_run.json`` (status, base model and its shapes, data
-counts, step), ``metrics.jsonl`` and, while training, ``checkpoints/step-N/``. A merged model directory
+A run directory holds a peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``; or, fully
+fine-tuned, the whole model: ``config.json`` + ``model.safetensors``), the tokenizer, the resolved ``recipe.yaml``, ``delft_run.json`` (status, base model and its shapes, data
+counts, step), ``metrics.jsonl``, ``snapshots/step-N/`` (train.snapshot_steps) and, while training, ``checkpoints/step-N/``. A merged model directory
 (from `delft export`) has a ``config.json`` and no adapter. Every name and status lives here, once.
 """
 
@@ -21,6 +21,7 @@ METRICS = "metrics.jsonl"
 LOSS_CURVE = "loss_curve.png"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step-"
+SNAPSHOTS = "snapshots"  # train.snapshot_steps: the model kept at those steps, for learning curves
 STATE_FILE = "trainer_state.pt"  # optimizer, scheduler, RNG states of a checkpoint
 HF_STATE_FILE = "trainer_state.json"  # the same in a checkpoint of transformers' Trainer (train.stage grpo)
 ADAPTER_CONFIG = "adapter_config.json"
@@ -113,8 +114,9 @@ def check_trained_dir(path: Path, where: str, merged: bool = True) -> str:
 
 
 def is_finished_run(path: Path) -> bool:
+    """A completed `delft train` run: its adapter, or (fully fine-tuned) its model, at the top."""
     path = Path(path)
-    return path.is_dir() and has_adapter(path) and status(path) == COMPLETED
+    return path.is_dir() and (has_adapter(path) or is_merged_model(path)) and status(path) == COMPLETED
 
 
 def base_model(run_dir: Path) -> Optional[str]:
@@ -187,6 +189,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
         return []
     return [c for c in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))
             if (c / STATE_FILE).is_file() or (c / HF_STATE_FILE).is_file()]
+
+
+def snapshot_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / SNAPSHOTS / f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:

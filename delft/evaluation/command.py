@@ -47,7 +47,10 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
             raise UserError(f"without a recipe, {missing} {'is' if ' and ' not in missing else 'are'} required",
                             "delft eval", "Pass a recipe (delft eval RECIPE.yaml [RUNS...]) or e.g. "
                             "--model smollm2-135m --data synthetic (or --data FILE --format gsm8k).")
-    model = model or cfg.model.name
+    if model is None:
+        from delft.models.scratch import base_name
+
+        model = base_name(cfg)
     base_data = cfg.eval_data()
     fields = base_data.model_dump()
     if data is not None:

@@ -348,7 +348,9 @@ def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> 
 def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict, cfg0: Recipe, contenders, runs,
                   console: Console, tables: Console) -> dict[str, tuple[dict, list]]:
     """Every eval set in turn, its tables on the screen and in ``tables``: (JSON section, what it plots) by set."""
-    base = cfg0.model.name
+    from delft.models.scratch import base_name
+
+    base = base_name(cfg0)
     sections = {}
     for name, spec in study.evals.items():
         if spec.mode == "teacher_forced":
@@ -367,6 +369,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     (earlier results there only with ``force``, replaced as a set)."""
     from delft.evaluation.command import check_runs
     from delft.experiments.compare import check_results_out, json_ready, train_all
+    from delft.models.scratch import base_name
     from delft.outputs import check_output_dir
 
     console = console or Console()
@@ -388,7 +391,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     if train_only:
         console.print(f"[green]trained[/] {len(runs)} runs; evaluate with: {command}")
         return None
-    base = cfg0.model.name
+    base = base_name(cfg0)
     check_runs([str(p) for p in runs.values()], base)
     tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
     sections = _evaluate_all(study, sets, loaded, cfg0, contenders, runs, console, tables)

@@ -12,10 +12,7 @@ from typing import Optional
 
 from delft.errors import UserError
 from delft.outputs import check_writable_dir, human_size
-from delft.rundir import (
-    check_trained_dir,
-    read_info,
-)
+from delft.rundir import check_trained_dir, is_run_dir, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -35,8 +32,9 @@ def normalize_dtype(name: str) -> str:
 
 
 def check_run_dir(run_dir: Path) -> dict:
-    """The run's delft_run.json (may be empty for adapters not written by delft); refuses dirs with no adapter."""
-    check_trained_dir(run_dir, "delft export", merged=False)
+    """The run's delft_run.json (may be empty for adapters not written by delft); refuses dirs with no adapter,
+    except a fully fine-tuned `delft train` run (its model is the export's input)."""
+    check_trained_dir(run_dir, "delft export", merged=is_run_dir(run_dir))
     return read_info(run_dir)
 
 

@@ -35,6 +35,7 @@ from delft.export.nf4 import apply_nf4_roundtrip
 from delft.export.report import (
     CHECK_PROMPTS,
     EXPORT_INFO,
+    FULL_MODEL,
     MARKER,
     ExportResult,
     eval_headline,
@@ -47,7 +48,7 @@ from delft.export.report import (
 )
 from delft.models.sources import GGUF_SOURCE
 from delft.outputs import follow_umask
-from delft.rundir import COMPLETED, RECIPE, RUN_INFO
+from delft.rundir import COMPLETED, RECIPE, RUN_INFO, is_merged_model
 
 # Default tolerance on max |dlogit| = REL_TOLERANCE[dtype] * max(1, max |logit| of base + adapter).
 #  fp32: only summation order differs between W x + B(A x) and (W + BA) x: ~1e-6 relative; 1e-4 leaves room
@@ -155,6 +156,8 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
     from delft.rundir import base_model, check_adapter_matches
 
     info = check_run_dir(run_dir)
+    if is_merged_model(run_dir):  # fully fine-tuned: the run is the model (check_run_dir allows it for runs)
+        return _full_run(run_dir, out, force, dtype, gguf_bytes, info)
     name = base_model(run_dir)
     if not name:
         raise UserError(f"{run_dir} does not say which base model its adapter belongs to", "delft export",
@@ -180,6 +183,53 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
     if estimate:
         check_disk(out, estimate, dtype, gguf_bytes)
     return info, _Base(name, ref, config, recipe, revision, remote, gguf), estimate
+
+
+def _full_run(run_dir: Path, out: Path, force: bool, dtype: str, gguf_bytes: float,
+              info: dict) -> tuple[dict, _Base, Optional[int]]:
+    """A fully fine-tuned run as the "base" an export copies: its own config and weights, nothing merged."""
+    from transformers import AutoConfig
+
+    from delft.models.sources import ModelRef
+
+    check_out(out, force, {"run directory": run_dir})
+    recipe = load_recipe_quietly(run_dir)
+    config = AutoConfig.from_pretrained(str(run_dir))
+    estimate = local_param_count(str(run_dir))
+    if estimate:
+        check_disk(out, estimate, dtype, gguf_bytes)
+    ref = ModelRef(str(run_dir), str(run_dir), True, "fully fine-tuned run: its weights are copied, nothing merged")
+    return info, _Base(info.get("base_model") or str(run_dir), ref, config, recipe, None, False, False), estimate
+
+
+def _copy_full(run_dir: Path, base: _Base, info: dict, device: str, encoded: list):
+    """The fully fine-tuned model (fp32) as ``_merge`` returns a merge: the reference logits are its own, the
+    "adapter effect" is how far training moved them from the starting weights (when those are still there)."""
+    import torch
+
+    from delft.models.loading import free_memory, load_model
+    from delft.models.sources import ModelRef
+
+    model = load_model(base.ref, device, torch.float32, "none").eval()
+    reference = _logits(model, encoded)
+    start = info.get("base_model_path")
+    effect = None
+    if start and (Path(start) / "config.json").is_file():
+        start_model = load_model(ModelRef(start, start, True), device, torch.float32, "none").eval()
+        effect = _max_diff(reference, _logits(start_model, encoded))
+        del start_model
+        free_memory()
+    return model, reference, effect, 0.0, sum(p.numel() for p in model.parameters()), 0
+
+
+def _what_is_merged(run_dir: Path, info: dict, match_training: bool, gguf: bool) -> tuple[str, str, list[str]]:
+    """(short, detail, notes) of the merge: ``_describe_merge``'s, or, for a fully fine-tuned run, a copy."""
+    if not is_merged_model(run_dir):
+        return _describe_merge(info, match_training, gguf)
+    if match_training:
+        raise UserError("--match-training merges a QLoRA adapter into the nf4 round-trip of its base; this run was "
+                        "fully fine-tuned (no adapter, no nf4)", "--match-training", "Drop --match-training.")
+    return FULL_MODEL, "none: the fully fine-tuned weights, copied and checked", []
 
 
 def _announce(run_dir: Path, out: Path, base: _Base, info: dict, detail: str, notes: list[str], dtype: str,
@@ -272,7 +322,7 @@ def _set_tolerances(result: ExportResult, reference: list, tolerance: Optional[f
     result.max_abs_logit = largest
     result.tolerance = tolerance if tolerance is not None else REL_TOLERANCE[result.dtype] * scale
     result.merge_tolerance = tolerance if tolerance is not None else MERGE_REL_TOLERANCE * scale
-    if result.adapter_effect <= result.tolerance:
+    if result.adapter_effect is not None and result.adapter_effect <= result.tolerance:
         result.notes.append(f"The adapter changes logits by at most {result.adapter_effect:.3g}, not more than the "
                             f"{result.dtype} tolerance {result.tolerance:.3g}: the reload check alone could not tell "
                             "it from the base; the fp32 merge check and the bit-exact file check still cover the merge.")
@@ -304,14 +354,15 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     dtype = _check_arguments(dtype, tolerance, device)
     info, base, estimate = _resolve_base(run_dir, out, force, dtype, gguf_bytes_per_param)
     device = resolve_device(device)
-    short, detail, notes = _describe_merge(info, match_training, base.gguf)
+    short, detail, notes = _what_is_merged(run_dir, info, match_training, base.gguf)
     _announce(run_dir, out, base, info, detail, notes, dtype, device, console)
 
     tok_path = tokenizer_source(run_dir, base.ref.path)
     tokenizer = load_tokenizer(tok_path, None if tok_path == str(run_dir) else base.revision, base.remote)
     encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(device) for p in CHECK_PROMPTS]
-    merged, reference, adapter_effect, merge_diff, n_params, roundtripped = _merge(
-        run_dir, base, device, match_training, encoded, console)
+    merged, reference, adapter_effect, merge_diff, n_params, roundtripped = (
+        _copy_full(run_dir, base, info, device, encoded) if short == FULL_MODEL
+        else _merge(run_dir, base, device, match_training, encoded, console))
     if not estimate:
         check_disk(out, n_params, dtype, gguf_bytes_per_param)
     result = ExportResult(out=str(out), run_dir=str(run_dir), base_model=base.name, merge=short, merge_detail=detail,

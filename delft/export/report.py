@@ -184,13 +184,18 @@ def summary_table(r: ExportResult) -> Table:
         ("max |Δlogit|", f"{r.max_abs_diff:.3g} (tolerance {r.tolerance:.3g}; reloaded {r.dtype} vs base + adapter)"
          if r.max_abs_diff is not None else "-"),
         ("fp32 merge |Δlogit|", f"{r.merge_abs_diff:.3g} (tolerance {r.merge_tolerance:.3g})"),
-        ("adapter effect", f"{r.adapter_effect:.3g} (max |logit| {r.max_abs_logit:.3g})"),
+        (("training effect" if r.merge == FULL_MODEL else "adapter effect"),
+         (f"{r.adapter_effect:.3g}" if r.adapter_effect is not None else "- (starting weights not found)")
+         + f" (max |logit| {r.max_abs_logit:.3g})"),
         ("tensors", f"{r.tensors_checked - len(r.tensors_mismatched)}/{r.tensors_checked} bit-identical to the merge"),
         ("verdict", verdict),
     ]
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+FULL_MODEL = "full model"  # ExportResult.merge of a fully fine-tuned run: copied, nothing merged
 
 
 CHECK_PROMPTS = ("What is 17 * 23?", "Q: 1,250.5 - 93 =\nA:", "The 3 boxes hold 12, 40 and 7 apples.")

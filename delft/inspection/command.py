@@ -156,7 +156,11 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
     console = console or Console()
     cfg = load_recipe(recipe_path, list(overrides))
     target_text = _check_arguments(prompt, max_new_tokens, target)
-    specs = _model_specs(model or (cfg.model.name if recipe_path is not None else None), list(adapters))
+    if model is None and recipe_path is not None:
+        from delft.models.scratch import base_name
+
+        model = base_name(cfg)
+    specs = _model_specs(model, list(adapters))
     check_output_files({"--json": json_out, "--plot": plot})
     result: Optional[InspectResult] = None
     first_vocab = None

@@ -141,7 +141,9 @@ def _answer_logits(model, input_ids, n_keep: int):
 
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from delft.models.loading import plain_model
+
+    base = plain_model(model)
     params = pyinspect.signature(base.forward).parameters
     with torch.inference_mode():
         for name in ("logits_to_keep", "num_logits_to_keep"):

@@ -46,9 +46,10 @@ def resolve_dtype(pref: str, device: str):
     return torch.float32
 
 
-def resolve_quantization(mode: str, device: str) -> str:
+def resolve_quantization(mode: str, device: str, finetuning: str = "lora") -> str:
+    """'auto' is nf4 for LoRA on CUDA (QLoRA), else none (full fine-tuning trains the weights themselves)."""
     if mode == "auto":
-        return "nf4" if device == "cuda" else "none"
+        return "nf4" if device == "cuda" and finetuning == "lora" else "none"
     return mode
 
 
@@ -157,6 +158,21 @@ def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool 
                         "Use 'all-linear' or names of linear modules in this model.") from None
 
 
+def make_trainable(model, gradient_checkpointing: bool):
+    """Every weight trainable (train.finetuning: full); checkpointing as for LoRA."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def plain_model(model):
+    """The transformers model under a peft wrapper (or the model itself, fully fine-tuned)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def continue_lora(model, adapter: str, gradient_checkpointing: bool, base: str):
     """Wrap in the trainable LoRA adapter saved in ``adapter`` (model.adapter: continue a run's training)."""
     from peft import PeftModel
@@ -198,7 +214,7 @@ def decoder_and_head(model):
     Calling the body directly lets the losses use only the rows/positions they need instead of
     full-vocabulary logits for every position.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = plain_model(model)
     return base.get_decoder(), base.get_output_embeddings()
 
 

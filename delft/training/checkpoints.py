@@ -1,4 +1,4 @@
-"""Checkpoints: adapter + optimizer + scheduler + RNG states written to a temporary directory and renamed into
+"""Checkpoints: adapter (or, fully fine-tuned, the model) + optimizer + scheduler + RNG states written to a temporary directory and renamed into
 place, the free-space check before, and loading one back for an exact resume.
 """
 
@@ -69,17 +69,34 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     return final
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
-    import torch
-    from peft import set_peft_model_state_dict
+def _load_weights(ckpt: Path, model) -> None:
+    """The checkpoint's adapter into the peft model, or (fully fine-tuned) its model weights into the model."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(ckpt / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise UserError(f"checkpoint {ckpt} does not match the model ({len(unexpected)} unexpected keys)",
-                        "output.dir", "Use --force to start over.")
+    if hasattr(model, "get_base_model"):
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(str(ckpt / "adapter_model.safetensors"))
+        unexpected = getattr(set_peft_model_state_dict(model, weights), "unexpected_keys", [])
+        missing: list = []
+    else:
+        files = sorted(ckpt.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no model weights in {ckpt}")
+        weights = {k: v for f in files for k, v in load_file(str(f)).items()}
+        result = model.load_state_dict(weights, strict=False)
+        unexpected = result.unexpected_keys
+        tied = set(getattr(model, "_tied_weights_keys", None) or ())  # saved once, under the tensor they share
+        missing = [k for k in result.missing_keys if k not in tied]
+    if unexpected or missing:
+        raise UserError(f"checkpoint {ckpt} does not match the model ({len(unexpected)} unexpected keys, "
+                        f"{len(missing)} missing)", "output.dir", "Use --force to start over.")
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
+    import torch
+
+    _load_weights(ckpt, model)
     state = torch.load(ckpt / rundir.STATE_FILE, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -1,5 +1,5 @@
 """What a run needs before its first step: device, tokenizer, digit vocabulary, the loss built from the recipe,
-the datasets, and the model with its LoRA adapter.
+the datasets, the model (with its LoRA adapter, or every weight trainable) and the optimizer.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ def setup(recipe: Recipe) -> Setup:
     from delft.data import build_datasets
     from delft.losses.loss import Loss
     from delft.models.loading import load_tokenizer, resolve_device, resolve_quantization
-    from delft.models.sources import resolve_model
+    from delft.models.scratch import recipe_model_ref
     from delft.numbers.tokens import NumberVocab
 
     device = resolve_device(recipe.model.device)
-    quant = resolve_quantization(recipe.quantization.mode, device)
-    ref = resolve_model(recipe.model.name, recipe.model.revision)
+    quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning)
+    ref = recipe_model_ref(recipe)
     tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
     if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
         vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
@@ -53,11 +53,12 @@ def setup(recipe: Recipe) -> Setup:
 
 
 def build_model(s: Setup, console: Console):
-    """(model with LoRA, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu", "rope"])."""
+    """(model with LoRA or every weight trainable, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu",
+    "rope"])."""
     import torch
 
     from delft.losses.registry import FUSED_CE
-    from delft.models.loading import apply_liger_layers, apply_lora, load_model, resolve_dtype
+    from delft.models.loading import apply_liger_layers, apply_lora, load_model, make_trainable, resolve_dtype
 
     r = s.recipe
     dtype = resolve_dtype(r.model.dtype, s.device)
@@ -67,7 +68,9 @@ def build_model(s: Setup, console: Console):
     kernels = apply_liger_layers(model) if s.loss.fused else []
     if s.loss.fused:
         console.print(f"[bold]kernels[/] Liger {', '.join([FUSED_CE] + kernels)}")
-    if r.model.adapter:
+    if r.train.finetuning == "full":
+        model = make_trainable(model, r.train.gradient_checkpointing)
+    elif r.model.adapter:
         from delft.models.loading import continue_lora
 
         model = continue_lora(model, r.model.adapter, r.train.gradient_checkpointing, r.model.name)
@@ -77,16 +80,40 @@ def build_model(s: Setup, console: Console):
     return model, dtype, kernels
 
 
+def build_optimizer(s: Setup, params: list, dtype):
+    """AdamW over ``params``: torch's in fp32; bitsandbytes' 32-bit AdamW for bf16/fp16 weights (full fine-tuning
+    on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' 8-bit AdamW when asked (CUDA only)."""
+    import torch
+
+    t = s.recipe.train
+    if t.optimizer == "adamw_8bit" and s.device != "cuda":
+        raise UserError("train.optimizer adamw_8bit is bitsandbytes' CUDA optimizer; this run is on the CPU",
+                        "train.optimizer", "Use train.optimizer: adamw on the CPU.")
+    if t.optimizer == "adamw" and dtype == torch.float32:
+        return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise UserError(f"train.optimizer {t.optimizer} with {str(dtype).replace('torch.', '')} weights needs "
+                        f"bitsandbytes ({e})", "train.optimizer", "pip install bitsandbytes, or set model.dtype: "
+                        "float32.") from None
+    if t.optimizer == "adamw_8bit":
+        return bnb.optim.AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    return bnb.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, optim_bits=32)
+
+
 def describe(s: Setup, model, dtype, console: Console) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     st = s.stats
     chosen = "(auto)" if s.recipe.quantization.mode == "auto" else ""
-    console.print(f"[bold]model[/] {s.recipe.model.name} {('- ' + s.model_ref.note) if s.model_ref.note else ''}")
+    name = "from scratch" if s.recipe.model.init == "scratch" else s.recipe.model.name
+    console.print(f"[bold]model[/] {name} {('- ' + s.model_ref.note) if s.model_ref.note else ''}")
+    r = s.recipe
+    how = ("full fine-tuning" if r.train.finetuning == "full" else
+           f"LoRA continued from {r.model.adapter}" if r.model.adapter else f"LoRA r={r.lora.r}")
     console.print(f"  device {s.device}, dtype {str(dtype).replace('torch.', '')}, quantization {s.quantization} "
-                  f"{chosen}, " + (f"LoRA continued from {s.recipe.model.adapter}" if s.recipe.model.adapter
-                                   else f"LoRA r={s.recipe.lora.r}")
-                  + f": {trainable:,} trainable of {total:,} parameters")
+                  f"{chosen}, {how}: {trainable:,} trainable of {total:,} parameters")
     console.print(f"[bold]data[/] {st.examples} examples -> {st.train} train / {st.val} validation; "
                   f"{st.label_tokens:,} trainable labels, {st.digit_labels:,} digit labels "
                   f"({st.digit_labels / max(1, st.label_tokens):.0%})")

@@ -1,4 +1,5 @@
-"""The training loop: recipe -> QLoRA adapter, with checkpoints, exact resume and a live display.
+"""The training loop: recipe -> QLoRA adapter (or, fully fine-tuned, a model), with checkpoints, exact resume and a
+live display.
 
 A plain loop rather than HF Trainer, because delft's loss needs the whole optimizer batch's counts before
 the first micro-batch (so CE and the digit term are each a mean over the optimizer batch, independent of
@@ -22,7 +23,7 @@ from rich.console import Console
 
 from delft import rundir
 from delft.errors import UserError
-from delft.outputs import follow_umask, write_atomic
+from delft.outputs import follow_umask, staged, write_atomic
 from delft.recipe import Recipe, dump_recipe
 from delft.training import distributed as dist
 from delft.training.checkpoints import (
@@ -42,7 +43,7 @@ from delft.training.resume import (
     truncate_metrics,
 )
 from delft.training.schedule import make_schedule, micro_batch_items
-from delft.training.setup import Setup, build_model, describe, setup
+from delft.training.setup import Setup, build_model, build_optimizer, describe, setup
 from delft.training.signals import StopSignals
 from delft.training.step import evaluate_loss, optimizer_step
 
@@ -50,8 +51,7 @@ from delft.training.step import evaluate_loss, optimizer_step
 class Trainer:
     """One run's optimizer, schedule and run directory, and the loop that steps, logs, validates and saves."""
 
-    def __init__(self, s: Setup, model, run_dir: Path, console: Console):
-        import torch
+    def __init__(self, s: Setup, model, dtype, run_dir: Path, console: Console):
         from transformers import get_scheduler
 
         t = s.recipe.train
@@ -59,7 +59,7 @@ class Trainer:
         self.recipe, self.loss = s.recipe, s.loss
         self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(s, self.params, dtype)
         self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.schedule.warmup_steps,
                                        num_training_steps=self.schedule.total_steps)
         self.metrics_path = run_dir / rundir.METRICS
@@ -77,6 +77,7 @@ class Trainer:
 
     def open_run_dir(self, ckpt: Optional[Path], replace: bool, kernels: list[str]) -> None:
         """Replace (--force) or resume the run directory, only now that model and data have loaded."""
+        from delft.models.loading import plain_model
         from delft.rundir import architecture
 
         if not dist.is_main():  # reads the checkpoint; rank 0 alone writes the run directory
@@ -95,7 +96,8 @@ class Trainer:
         s = self.s
         rundir.write_info(self.run_dir, {
             "status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
-            "architecture": architecture(self.model.get_base_model().config), "quantization": s.quantization,
+            "architecture": architecture(plain_model(self.model).config), "quantization": s.quantization,
+            "finetuning": self.recipe.train.finetuning, "init": self.recipe.model.init,
             "loss": self.recipe.loss.type, "loss_weight": self.recipe.loss.weight, "loss_path": self.loss.path_ran,
             "step": self.step, "total_steps": self.schedule.total_steps, "liger_kernels": kernels,
             "data": asdict(s.stats),
@@ -231,9 +233,23 @@ class Trainer:
                         self.measure_accuracy()
                     if self.step % t.save_steps == 0 and not last:
                         self.save()
+                    if self.step in t.snapshot_steps:
+                        self.snapshot()
             except KeyboardInterrupt:
                 progress.stop()
                 self.save_interrupted(resume_command)
+
+    def snapshot(self) -> None:
+        """The model (or adapter) and tokenizer as they are now, kept in snapshots/step-N (learning curves)."""
+        path = rundir.snapshot_path(self.run_dir, self.step)
+        if not dist.is_main() or path.is_dir():  # a resumed run keeps the one it wrote before
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(path.parent, adapter_bytes(self.model) + 2**24, "snapshot")
+        with staged(path) as tmp, no_space_is_a_user_error(tmp, "snapshot"):
+            self.model.save_pretrained(tmp)
+            self.s.tokenizer.save_pretrained(tmp)
+            follow_umask(tmp)
 
     def save_interrupted(self, resume_command: str) -> None:
         """After Ctrl-C or SIGTERM: a checkpoint of the last whole step (kept when it exists), then exit."""
@@ -248,14 +264,18 @@ class Trainer:
         raise SystemExit(self.stops.exit_code)
 
     def finish(self) -> None:
-        """Adapter and tokenizer at the top of the run directory (PeftModel.from_pretrained(run_dir) loads it)."""
+        """Adapter (or, fully fine-tuned, the model) and tokenizer at the top of the run directory:
+        PeftModel.from_pretrained(run_dir) (or AutoModelForCausalLM.from_pretrained(run_dir)) loads it."""
         if not dist.is_main():
             return
         run_dir = self.run_dir
         tmp = run_dir / ".final-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        check_free_space(run_dir, adapter_bytes(self.model) + 2**24, "adapter and tokenizer")
-        with no_space_is_a_user_error(tmp, "adapter"):
+        what = "model" if self.recipe.train.finetuning == "full" else "adapter"
+        check_free_space(run_dir, adapter_bytes(self.model) + 2**24, f"{what} and tokenizer")
+        if what == "model":
+            self.model.config.use_cache = True  # as a loaded model expects (training turned it off)
+        with no_space_is_a_user_error(tmp, what):
             self.model.save_pretrained(tmp)
             self.s.tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
@@ -266,7 +286,7 @@ class Trainer:
             plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
         rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran)
         shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
-        self.console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
+        self.console.print(f"[bold green]done[/] {what}, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
 
 
 def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
@@ -292,7 +312,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
         s = setup(recipe)
         model, dtype, kernels = build_model(s, console)
         describe(s, model, dtype, console)
-        trainer = Trainer(s, model, run_dir, console)
+        trainer = Trainer(s, model, dtype, run_dir, console)
         if ckpt is not None:  # the total is known now, also when train.epochs sets it; nothing is changed yet
             check_steps_left(ckpt, trainer.schedule.total_steps)
         dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
