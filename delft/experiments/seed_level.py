@@ -1,10 +1,13 @@
-"""A study's comparisons with the seed as the unit: every greedy set's exact match of each recipe against the
-reference, by a hierarchical bootstrap over seeds and problems (delft.evaluation.metrics.hierarchical_difference),
-a t interval over the seeds' own differences, and Holm's correction over all the study's comparisons. The
-per-problem pooled intervals of the rest of the report leave seed variance out; these put it in.
+"""A study's comparisons with the seed as the unit: every greedy set's exact match (and, with a curve, the area
+under its learning curve) of each recipe against the reference, by a hierarchical bootstrap over seeds and
+problems (delft.evaluation.metrics.hierarchical_difference), a t interval over the seeds' own differences, and
+Holm's correction over all the study's comparisons. The per-problem pooled intervals of the rest of the report
+leave seed variance out; these put it in. ``verdicts`` reads them against the study's margin and its controls.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from delft.evaluation.metrics import hierarchical_difference, holm, seed_level_difference
 
@@ -30,9 +33,81 @@ def seed_analysis(report: dict) -> list[dict]:
             h, t = hierarchical_difference(a, b, RESAMPLES), seed_level_difference(a, b)
             rows.append({"set": key, "recipe": name, "reference": ref, "metric": "exact_match", "seeds": seeds,
                          "hierarchical": h, "seed_level": t})
+    rows += _curve_rows(report.get("curves") or {})
     for row, adjusted in zip(rows, holm([r["hierarchical"]["p"] for r in rows])):
         row["holm_p"] = adjusted
     return rows
+
+
+def _curve_rows(curves: dict) -> list[dict]:
+    """The area under each recipe's exact-match curve against the reference's, per set."""
+    rows = []
+    for key, c in curves.items():
+        ref = c["reference"]
+        by_seed = {name: {int(s): v for s, v in arm["auc_per_problem"].items()} for name, arm in c["recipes"].items()}
+        seeds = sorted(by_seed[ref])
+        for name, scores in by_seed.items():
+            if name == ref or sorted(scores) != seeds:
+                continue
+            a, b = [by_seed[ref][s] for s in seeds], [scores[s] for s in seeds]
+            rows.append({"set": key, "recipe": name, "reference": ref, "metric": "exact_match_auc", "seeds": seeds,
+                         "hierarchical": hierarchical_difference(a, b, RESAMPLES), "seed_level":
+                         seed_level_difference(a, b)})
+    return rows
+
+
+ALPHA = 0.05  # the family-wise level the verdicts use (Holm-adjusted p-values)
+
+
+def verdicts(rows: list[dict], controls: list[str], margin_points: float) -> dict:
+    """The study's reading, by the rules its file states: whether each control moved (Holm p < ALPHA on some row),
+    and for every other (set, metric, recipe): confirmed (at least ``margin`` better on every seed and Holm
+    p < ALPHA), refuted (the t interval over seeds within +-margin, or below 0, while a control moved), not
+    readable (there are controls and none moved: the design cannot see an effect), or inconclusive."""
+    margin = margin_points / 100
+    moved = {c: [r for r in rows if r["recipe"] == c and r["holm_p"] < ALPHA] for c in controls}
+    any_moved = any(moved.values())
+    arms = []
+    for r in rows:
+        if r["recipe"] in controls:
+            continue
+        t = r["seed_level"]
+        if all(d >= margin for d in t["per_seed"]) and r["holm_p"] < ALPHA:
+            verdict = "confirmed"
+        elif controls and not any_moved:
+            verdict = "not readable"
+        elif t["ci"] is not None and (t["ci"][1] < 0 or (-margin < t["ci"][0] and t["ci"][1] < margin)) \
+                and (any_moved or not controls):
+            verdict = "refuted"
+        else:
+            verdict = "inconclusive"
+        arms.append({"set": r["set"], "metric": r["metric"], "recipe": r["recipe"], "verdict": verdict})
+    return {"margin_points": margin_points, "alpha": ALPHA,
+            "controls": {c: [{"set": r["set"], "metric": r["metric"], "difference": r["hierarchical"]["difference"],
+                              "holm_p": r["holm_p"]} for r in m] for c, m in moved.items()},
+            "arms": arms}
+
+
+def verdict_lines(v: Optional[dict]) -> list[str]:
+    """The summary's section on :func:`verdicts`."""
+    if not v or (not v["arms"] and not v["controls"]):
+        return []
+    lines = ["## Verdicts", "", f"By the rules the study file states: margin {v['margin_points']:g} points, Holm "
+             f"p < {v['alpha']:g}. Confirmed: at least the margin better on every seed and Holm p below the level. "
+             "Refuted: the t interval over seeds inside +-margin or below 0, while a control moved. Not readable: "
+             "no control moved, so the design could not have seen a digit-loss effect.", ""]
+    for control, rows in v["controls"].items():
+        if rows:
+            where = "; ".join(f"{r['set']} {r['metric']} {100 * r['difference']:+.1f} points (Holm p "
+                              f"{r['holm_p']:.3f})" for r in rows)
+            lines.append(f"- Control **{control}** moved: {where}.")
+        else:
+            lines.append(f"- Control **{control}** did not move (no comparison with Holm p < {v['alpha']:g}): the "
+                         "design cannot see a digit-loss effect here, so the other arms are not read as no effect.")
+    for a in v["arms"]:
+        lines.append(f"- {a['recipe']} on {a['set']} ({a['metric']}): **{a['verdict']}**.")
+    lines.append("")
+    return lines
 
 
 def seed_level_lines(rows: list[dict]) -> list[str]:
@@ -44,15 +119,15 @@ def seed_level_lines(rows: list[dict]) -> list[str]:
         return f"{100 * x:+.1f}"
 
     lines = ["## With the seed as the unit", "",
-             f"Exact match, recipe minus reference. Hierarchical: a bootstrap over seeds, then problems ({RESAMPLES} "
+             f"Exact match (exact_match_auc: the area under its learning curve), recipe minus reference. Hierarchical: a bootstrap over seeds, then problems ({RESAMPLES} "
              "resamples), its two-sided p-value and Holm's correction over every comparison here. Seeds: each seed's "
              "difference and a t interval over them (wide with few seeds).", "",
-             "| set | recipe | hierarchical [95 % CI] | p | Holm p | per seed | t interval over seeds |",
-             "|---|---|---|---|---|---|---|"]
+             "| set | metric | recipe | hierarchical [95 % CI] | p | Holm p | per seed | t interval over seeds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h, t = r["hierarchical"], r["seed_level"]
         ci = f"[{pts(t['ci'][0])}, {pts(t['ci'][1])}]" if t["ci"] else "-"
-        lines.append(f"| {r['set']} | {r['recipe']} vs {r['reference']} | {pts(h['difference'])} "
+        lines.append(f"| {r['set']} | {r['metric']} | {r['recipe']} vs {r['reference']} | {pts(h['difference'])} "
                      f"[{pts(h['ci'][0])}, {pts(h['ci'][1])}] | {h['p']:.3f} | {r['holm_p']:.3f} | "
                      f"{', '.join(pts(d) for d in t['per_seed'])} | {ci} |")
     lines.append("")

@@ -21,7 +21,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import Field, ValidationError, field_validator
 from rich.console import Console
@@ -64,12 +64,43 @@ class EvalSet(Section):
                                           "reasoning_gym): task, options, n, seed, as data.reasoning_gym.")
 
 
+class Arm(Section):
+    recipe: str = Field(..., min_length=1, description="A recipe file relative to the study file.")
+    control: bool = Field(False, description="A positive control: a loss expected to move the metric, which shows "
+                          "whether the design can see a digit-loss effect at all (the summary says if it moved).")
+
+
 class StudyConfig(Section):
-    recipes: list[str] = Field(..., min_length=2, description="Recipe files relative to this file; they may "
-                                                              "differ only in their loss (and grpo) sections.")
+    description: str = Field("", description="What the study asks and, written before it runs, what would confirm "
+                             "it, what would refute it, and what a control that does not move means (shown at the "
+                             "top of summary.md).")
+    recipes: list[Union[str, Arm]] = Field(..., min_length=2, description="Recipe files relative to this file (or "
+                                           "{recipe: FILE, control: true}); they may differ only in their loss (and "
+                                           "grpo) sections.")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Training seeds: every recipe trains once per seed.")
     out: str = Field(..., min_length=1, description="Results directory (relative to the current directory).")
     evals: dict[str, EvalSet] = Field(..., min_length=1, description="Eval sets by name (a name is a file stem).")
+    curve: list[int] = Field(default_factory=list, description="Training steps at which every run is evaluated too "
+                             "(it keeps snapshots there): exact match along training and the area under that curve "
+                             "on every greedy set; the finished run is the last point.")
+    margin: float = Field(3.0, ge=0, description="The smallest exact-match difference that matters, in points. An "
+                          "arm is confirmed when it gains at least this much on every seed with Holm p < 0.05; "
+                          "refuted when its interval over seeds lies within +-margin or below 0 while a control "
+                          "moved; otherwise inconclusive.")
+
+    def recipe_files(self) -> list[str]:
+        return [r if isinstance(r, str) else r.recipe for r in self.recipes]
+
+    def controls(self) -> list[str]:
+        """The names (file stems) of the positive-control recipes."""
+        return [Path(r.recipe).stem for r in self.recipes if isinstance(r, Arm) and r.control]
+
+    @field_validator("curve")
+    @classmethod
+    def _curve_steps(cls, steps: list[int]) -> list[int]:
+        if any(s <= 0 for s in steps) or len(set(steps)) != len(steps):
+            raise ValueError("curve steps are training steps, 1 or more, each once")
+        return sorted(steps)
 
     @field_validator("seeds")
     @classmethod
@@ -173,7 +204,11 @@ def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_d
     """compare's contenders (same settings but the loss), their data files looked up in --data-dir."""
     from delft.experiments.compare import resolve_contenders
 
-    contenders = resolve_contenders([path.parent / r for r in study.recipes], overrides, console, "delft study",
+    if study.curve:
+        from delft.experiments.curves import snapshot_override
+
+        overrides = [*overrides, snapshot_override(study.curve)]
+    contenders = resolve_contenders([path.parent / r for r in study.recipe_files()], overrides, console, "delft study",
                                     f"{path}: recipes")
     for c in contenders:
         if c.recipe.data.source not in GENERATED and not Path(c.recipe.data.source).is_file():
@@ -363,18 +398,13 @@ def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict,
     return sections
 
 
-def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
-              console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
-    """Train what is missing, evaluate every set, write study.json, summary.md and the plots into ``out``
-    (earlier results there only with ``force``, replaced as a set)."""
-    from delft.evaluation.command import check_runs
-    from delft.experiments.compare import check_results_out, json_ready, train_all
-    from delft.models.scratch import base_name
+def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides: Sequence[str], console: Console,
+             train_only: bool, force: bool):
+    """Every refusal before training: the out folder, the recipes, the controls, the curve, the eval sets.
+    Returns (contenders, the first run's recipe, the sets, their problems (None with train_only))."""
+    from delft.experiments.compare import check_results_out
     from delft.outputs import check_output_dir
 
-    console = console or Console()
-    path = Path(path)
-    study = load_study(path)
     out = Path(study.out)
     check_output_dir(out, f"{path}: out")  # before hours of training, not after
     contenders = _contenders(study, path, overrides, data_dir, console)
@@ -382,8 +412,80 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
                       [c.for_seed(s).output.dir for s in study.seeds for c in contenders], force or train_only,
                       f"{path}: out")
     cfg0 = contenders[0].for_seed(study.seeds[0])
+    _check_controls_and_curve(study, contenders, cfg0, path)
     sets = {name: eval_data(name, spec, cfg0, data_dir) for name, spec in study.evals.items()}
     loaded = None if train_only else load_sets(sets, path, console)  # before the first training step
+    return contenders, cfg0, sets, loaded
+
+
+def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path: Path) -> None:
+    from delft.experiments.compare import reference_name
+    from delft.experiments.curves import check_curve
+
+    ref = reference_name(contenders)
+    if ref in study.controls():
+        raise UserError(f"the reference recipe {ref} is marked control: a control is compared with the reference",
+                        f"{path}: recipes", "Mark the loss expected to move the metric, not the plain-CE one.")
+    if study.curve:
+        if cfg0.train.max_steps is None:
+            raise UserError("a curve needs the recipes' train.max_steps (its steps are counted against it)",
+                            f"{path}: curve", "Set train.max_steps in the recipes.")
+        check_curve(study.curve, cfg0.train.max_steps, f"{path}: curve")
+
+
+def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: str, contenders, runs, sections,
+            console: Console, tables: Console) -> dict:
+    """Every greedy set at every curve step (the runs' snapshots), as curves (delft.experiments.curves)."""
+    from delft.experiments.curves import study_curves
+
+    if not study.curve:
+        return {}
+
+    def evaluate(key: str, runs_at_step: dict) -> dict:
+        step = Path(next(iter(runs_at_step.values()))).name
+        return _greedy_set(f"{key} at {step}", sets[key], study.evals[key], cfg0, base, contenders, study.seeds,
+                           runs_at_step, console, tables, loaded[key])[0]
+
+    greedy = [k for k, spec in study.evals.items() if spec.mode == "greedy"]
+    return study_curves(study.curve, greedy, {k: sections[k][0] for k in greedy}, runs, cfg0.train.max_steps,
+                        evaluate)
+
+
+def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
+            sections: dict, curves: dict, seconds: dict) -> dict:
+    from delft.experiments.compare import json_ready
+    from delft.experiments.seed_level import seed_analysis, verdicts
+
+    report = json_ready({
+        "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
+        "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
+                     "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
+                     "controls": study.controls(), "margin": study.margin, "curve": study.curve,
+                     "seeds": study.seeds, "recipe": cfg0.to_dict(),
+                     "evals": {k: v.model_dump(mode="json") for k, v in study.evals.items()}},
+        "training": training, "seconds": seconds,
+        "evals": {key: section for key, (section, _) in sections.items()},
+        "curves": curves,
+    })
+    report["plots"] = {key: str(Path(study.out) / f"{key}.png") for key in sections}
+    report["seed_level"] = seed_analysis(report)
+    report["verdicts"] = verdicts(report["seed_level"], study.controls(), study.margin)
+    return report
+
+
+def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
+              console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
+    """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
+    summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
+    from delft.evaluation.command import check_runs
+    from delft.experiments.compare import train_all
+    from delft.models.scratch import base_name
+
+    console = console or Console()
+    path = Path(path)
+    study = load_study(path)
+    out = Path(study.out)
+    contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force)
     command = _command(path, data_dir, overrides)
     start = time.perf_counter()
     runs, training = train_all(contenders, study.seeds, console, command)
@@ -395,20 +497,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     check_runs([str(p) for p in runs.values()], base)
     tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
     sections = _evaluate_all(study, sets, loaded, cfg0, contenders, runs, console, tables)
-    report = json_ready({
-        "delft_version": __version__, "command": command, "study": str(path),
-        "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
-                     "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
-                     "seeds": study.seeds, "recipe": cfg0.to_dict(),
-                     "evals": {k: v.model_dump(mode="json") for k, v in study.evals.items()}},
-        "training": training,
-        "seconds": {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
-        "evals": {key: section for key, (section, _) in sections.items()},
-    })
-    report["plots"] = {key: str(out / f"{key}.png") for key in sections}
-    from delft.experiments.seed_level import seed_analysis
-
-    report["seed_level"] = seed_analysis(report)
+    curves = _curves(study, sets, loaded, cfg0, base, contenders, runs, sections, console, tables)
+    seconds = {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)}
+    report = _report(study, path, command, base, cfg0, contenders, training, sections, curves, seconds)
     _write_results(out, report, tables.export_text(), sections, study.seeds, f"{path}: out")
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
                   f"{len(sections)} plots in {out}")
