@@ -22,6 +22,7 @@ SCRATCH_DIR = "scratch"  # under delft's cache: one directory per (architecture,
 SCRATCH_VERSION = 1  # part of the cache key: bump when the way an init is built changes
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]  # digits, letters, signs, space, \t, \n
+CHAR_VOCAB_SIZE = 3 + len(CHARACTERS)  # pad, eos, unk and the characters
 INIT_RANGE = 0.02  # std of the random weights (Llama's default)
 
 

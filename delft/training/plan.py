@@ -166,12 +166,26 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2  # auto = bf16 (fp16 where unsupported) on a GPU
 
 
+def planned_nf4(recipe) -> bool:
+    """Whether the run quantises its base to nf4 on a GPU (quantization auto: for LoRA, not full fine-tuning)."""
+    q = recipe.quantization.mode
+    return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora")
+
+
+def _optimizer_bytes_per_param(recipe) -> float:
+    """Full fine-tuning: each weight's gradient (in the weights' dtype) and AdamW's two moments (fp32, or 8-bit
+    with one fp32 absmax per block of 256 for adamw_8bit)."""
+    states = 2 * (1 + 4 / 256) if recipe.train.optimizer == "adamw_8bit" else 8
+    return _dtype_bytes(recipe.model.dtype) + states
+
+
 def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
-    """(nf4 weights, 16-bit or fp32 weights, LoRA weights + gradients + AdamW states) in bytes."""
+    """(nf4 weights, 16-bit or fp32 weights, the trained state in bytes: LoRA weights + gradients + AdamW states,
+    or, fully fine-tuned, every weight's gradient + AdamW states)."""
     q, lo = recipe.quantization, recipe.lora
     H, L, V = s["hidden"], s["layers"], s["vocab"]
     d = _dtype_bytes(recipe.model.dtype)
-    nf4 = q.mode in ("auto", "nf4")
+    nf4 = planned_nf4(recipe)
     small = 4 if nf4 and q.kbit_upcast else d  # prepare_model_for_kbit_training casts non-quantised weights to fp32
     lin = _linears(s)
     mlp = sum(a * b for k, (a, b) in lin.items() if k.endswith(("gate_proj", "up_proj", "down_proj")))
@@ -181,6 +195,8 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
         other_params += L * (lin["q_proj"][1] + 2 * lin["k_proj"][1])
     weights_nf4 = linear_params * (NF4_BYTES if q.double_quant else NF4_BYTES_NO_DQ) if nf4 else 0
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
+    if recipe.train.finetuning == "full":
+        return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
     lora_params = L * sum(lo.r * (a + b) for k, (a, b) in lin.items() if k in _lora_targets(lo.target_modules))
     return weights_nf4, weights_16, lora_params * LORA_BYTES
 
@@ -192,7 +208,7 @@ def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, floa
     d = _dtype_bytes(recipe.model.dtype)
     lin = _linears(s)
     layer_tok = (LIGER_LAYER_FIT if fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * d / 2  # fitted at 16 bit
-    if lo.dropout > 0:  # peft's dropout keeps an fp32 copy of each LoRA input and its mask
+    if lo.dropout > 0 and t.finetuning == "lora":  # peft's dropout keeps an fp32 copy of each LoRA input and its mask
         layer_tok += sum(a for k, (a, _) in lin.items() if k in _lora_targets(lo.target_modules)) * 5
     if t.gradient_checkpointing:
         activations = L * tokens * H * d + tokens * H * d  # every layer's input + the embedding output
@@ -200,7 +216,7 @@ def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, floa
     else:  # every layer keeps what it saves; about half the recompute + backward working set each
         activations = L * tokens * layer_tok * 0.5
         layer_backward = tokens * layer_tok * 0.5
-    if recipe.quantization.mode in ("auto", "nf4"):
+    if planned_nf4(recipe):
         layer_backward += dequantised_copy(lin, d)
     return activations, layer_backward
 
@@ -210,7 +226,7 @@ def _loss_bytes(s: dict, recipe, fused: bool, tokens: int, n_lab: int) -> float:
     H, V = s["hidden"], s["vocab"]
     d = _dtype_bytes(recipe.model.dtype)
     q = recipe.quantization
-    logit_d = 4 if q.mode in ("auto", "nf4") and q.kbit_upcast else d
+    logit_d = 4 if planned_nf4(recipe) and q.kbit_upcast else d
     out_hidden = tokens * H * (d + 4) + n_lab * H * d  # final hidden (and the norm's fp32 input), labelled rows
     # upper bound: hidden rows at number positions gathered and upcast, the number tokens' output rows (and
     # their fp32 copy), their [rows x T] fp32 logits with the padded copy and per-character gather char_logits makes
@@ -312,6 +328,8 @@ def read_model_config(recipe) -> tuple[dict, str]:
     from delft.models.sources import SMOLLM2_ALIAS, cache_dir
 
     name = recipe.model.name
+    if recipe.model.init == "scratch":
+        return scratch_config(recipe)
     if name == SMOLLM2_ALIAS:
         path = cache_dir() / SMOLLM2_ALIAS / "config.json"
         if path.is_file():
@@ -341,6 +359,24 @@ def read_model_config(recipe) -> tuple[dict, str]:
         raise UserError(f"could not fetch config.json of {name!r}: {str(e).splitlines()[0][:200]}", "model.name",
                         "Download the model directory where there is network and point model.name at it.") from None
     return _config(Path(path)), f"{name} (config.json from the hub)"
+
+
+def scratch_config(recipe) -> tuple[dict, str]:
+    """The config.json a scratch recipe's init will have (delft.models.scratch.llama_config), without torch."""
+    a = recipe.model.architecture
+    if recipe.model.tokenizer == "char":
+        from delft.models.scratch import CHAR_VOCAB_SIZE
+
+        vocab, where = CHAR_VOCAB_SIZE, "delft's character-level tokenizer"
+    else:
+        from delft.models.sources import resolve_model
+
+        vocab = _config(Path(resolve_model(recipe.model.tokenizer).path) / "config.json")["vocab_size"]
+        where = f"the vocabulary of {recipe.model.tokenizer}"
+    return ({"model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.layers,
+             "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads or a.heads,
+             "intermediate_size": a.intermediate_size, "vocab_size": vocab, "tie_word_embeddings": a.tie_embeddings,
+             "max_position_embeddings": a.context}, f"model.architecture (init: scratch) with {where}")
 
 
 def _config(path: Path) -> dict:
@@ -405,8 +441,11 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
                 return
 
     t, q = recipe.train, recipe.quantization
-    if q.mode == "none":
+    lora = t.finetuning == "lora"
+    if q.mode == "none" and lora:
         trial("quantization.mode", ["nf4"])
+    if not lora and t.optimizer == "adamw":
+        trial("train.optimizer", ["adamw_8bit"], "bitsandbytes' 8-bit AdamW")
     if q.kbit_upcast:
         trial("quantization.kbit_upcast", [False])
     if not t.gradient_checkpointing:
@@ -414,8 +453,9 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
     trial("train.batch_size", list(_halvings(t.batch_size, 1)), "raise train.grad_accum to keep the batch")
     trial("data.max_length", list(_halvings(recipe.data.max_length, 64)), "longer examples get truncated")
     trial("train.loss_chunk_size", list(_halvings(t.loss_chunk_size, 64)))
-    trial("lora.r", list(_halvings(recipe.lora.r, 4)))
-    if recipe.lora.dropout > 0:
+    if lora:
+        trial("lora.r", list(_halvings(recipe.lora.r, 4)))
+    if recipe.lora.dropout > 0 and lora:
         trial("lora.dropout", [0.0])
     if not fused and liger_available is False:
         total = plan_memory(config, recipe, True)["total"]
@@ -430,6 +470,8 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
                        ("train.gradient_checkpointing", None), ("train.batch_size", 1), ("data.max_length", 64),
                        ("train.loss_chunk_size", 64), ("lora.r", 4)):
         section, field = key.split(".")
+        if not lora and section in ("quantization", "lora"):
+            continue  # full fine-tuning trains unquantised weights, and has no rank
         cur = getattr(getattr(r, section), field)
         target = {"quantization.mode": "nf4", "quantization.kbit_upcast": False,
                   "train.gradient_checkpointing": True}.get(key, floor)
@@ -462,7 +504,7 @@ def planned_fused(recipe) -> tuple[bool, bool, str]:
 def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tuple[str, int, str]]:
     """(component, bytes, what) for the table, in the order they are printed."""
     t = recipe.train
-    nf4 = recipe.quantization.mode in ("auto", "nf4")
+    nf4 = planned_nf4(recipe)
     d = _dtype_bytes(recipe.model.dtype)
     B, T = t.batch_size, recipe.data.max_length
     digits = f"{s['number_tokens']:,}-row digit term"
@@ -476,7 +518,10 @@ def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> lis
         ("weights, 16-bit" if not recipe.quantization.kbit_upcast else "weights, fp32 (kbit_upcast)",
          est["weights_16bit"], f"embeddings{' (tied output layer)' if s['tied'] else ' + output layer'}, norms"
          + ("" if nf4 else ", linear layers")),
-        ("LoRA + AdamW", est["lora_optimizer"], f"r={recipe.lora.r}: fp32 weights, gradients, two moments"),
+        (("gradients + AdamW", est["lora_optimizer"], f"full fine-tuning: every weight's {d}-byte gradient, two "
+          + ("8-bit moments (adamw_8bit)" if t.optimizer == "adamw_8bit" else "fp32 moments"))
+         if t.finetuning == "full" else
+         ("LoRA + AdamW", est["lora_optimizer"], f"r={recipe.lora.r}: fp32 weights, gradients, two moments")),
         ("activations", est["activations"],
          (f"each layer input: {B} x {T} x {s['hidden']} x {d} bytes" if t.gradient_checkpointing
           else "every layer keeps its activations (no checkpointing; rough)")),
@@ -493,7 +538,8 @@ def _print_table(console, recipe, s: dict, rows: list, est: dict, source: str) -
     from rich.table import Table
 
     dt = "fp32" if _dtype_bytes(recipe.model.dtype) == 4 else "bf16"
-    table = Table(title=f"Planned peak GPU memory: {recipe.model.name} ({s['model_type']}, {s['layers']} layers, "
+    name = "a model from scratch" if recipe.model.init == "scratch" else recipe.model.name
+    table = Table(title=f"Planned peak GPU memory: {name} ({s['model_type']}, {s['layers']} layers, "
                         f"hidden {s['hidden']}, vocab {s['vocab']:,}), {dt}, batch {recipe.train.batch_size} x "
                         f"{recipe.data.max_length} tokens", title_justify="left")
     table.add_column("component")
@@ -544,6 +590,8 @@ def run_plan(recipe, gpu_memory: Optional[str], console, world_size: int = 1) ->
     With ``world_size`` > 1 every figure is per GPU (``per_gpu``)."""
     config, source = read_model_config(recipe)
     config, note = with_number_tokens(config, source)
+    if recipe.model.init == "scratch" and recipe.model.tokenizer == "char":
+        note = ""  # single digits, as with_number_tokens assumed
     s = model_shape(config)
     fused, liger, warning = planned_fused(recipe)
     est = per_gpu(plan_memory(config, recipe, fused), world_size)

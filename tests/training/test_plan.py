@@ -226,3 +226,43 @@ def test_plan_takes_the_fused_path_by_trainings_rule():
     assert fused_applies("on", cuda=False, liger=True, interpreter=True) == (True, "")
     assert "no CUDA" in fused_applies("on", cuda=False, liger=True)[1]
     assert "not installed" in fused_applies("on", cuda=True, liger=False)[1]
+
+
+def full(**train):
+    return validate_recipe({"model": {"dtype": "bfloat16"}, "train": {"finetuning": "full", "fused_loss": "off",
+                                                                       **train}})
+
+
+def test_full_finetuning_counts_every_weight_its_gradient_and_adams_moments():
+    cfg = QWEN2["1.5b"]
+    lora, p = plan_memory(cfg, recipe()), plan_memory(cfg, full())
+    assert p["weights_nf4"] == 0  # quantization auto is none for full fine-tuning: the weights are trained
+    params = p["weights_16bit"] / 2
+    assert params == pytest.approx(1.54e9, rel=0.03)  # Qwen2.5-1.5B (tied embeddings)
+    assert p["lora_optimizer"] == pytest.approx(params * (2 + 8), rel=1e-6)  # bf16 gradient + fp32 moments
+    eight = plan_memory(cfg, full(optimizer="adamw_8bit"))
+    assert eight["lora_optimizer"] == pytest.approx(params * (2 + 2 * (1 + 4 / 256)), rel=1e-6)
+    assert p["total"] > lora["total"] + 14 * GiB
+    fp32 = plan_memory(cfg, validate_recipe({"model": {"dtype": "float32"}, "train": {"finetuning": "full"}}))
+    assert fp32["lora_optimizer"] == pytest.approx(fp32["weights_16bit"] / 4 * 12, rel=1e-6)
+
+
+def test_plan_refuses_nf4_with_full_finetuning_and_suggests_8bit_adam(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"dtype": "bfloat16"}, "train": {"finetuning": "full"},
+                                    "quantization": {"mode": "nf4"}}))
+    res = run_cli("recipe", "check", path, "--plan")
+    assert res.exit_code == 2 and "nf4 weights cannot be trained" in res.output
+    path.write_text(yaml.safe_dump({"model": {"dtype": "bfloat16"}, "train": {"finetuning": "full"}}))
+    res = run_cli("recipe", "check", path, "--plan", "--gpu-memory", "1.9GiB")
+    assert res.exit_code == 2, res.output
+    assert "train.optimizer: adamw_8bit" in res.output and "quantization.mode" not in res.output.split("fit")[-1]
+
+
+def test_plan_of_a_scratch_model_reads_its_architecture(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"init": "scratch", "architecture": {"hidden_size": 64, "layers": 2}},
+                                    "train": {"finetuning": "full"}, "data": {"max_length": 64}}))
+    res = run_cli("recipe", "check", path, "--plan")
+    assert res.exit_code == 0, res.output
+    assert "from scratch" in res.output and "vocab 100" in res.output
