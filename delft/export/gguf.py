@@ -45,6 +45,7 @@ from delft.export.gguf_probe import PROBE_PROBLEMS, probe_files
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
 from delft.outputs import pct, staged, temporary_sibling, write_atomic
+from delft.rundir import is_merged_model
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
 
@@ -143,6 +144,9 @@ def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Opti
     if lora and match_training:
         raise UserError("--gguf-lora writes the adapter for the original base weights, but --match-training merges "
                         "into their nf4 round-trip", "--gguf-lora", "Drop one of the two.")
+    if lora and is_merged_model(Path(run_dir)):
+        raise UserError(f"{run_dir} was fully fine-tuned: it has no adapter for --gguf-lora to write", "--gguf-lora",
+                        "Drop --gguf-lora; --gguf f16 (or another type) writes the whole model.")
     have_llama = llama_cpp_available()
     quantised = [t for t in types if t in QUANTISER_TYPES]
     if quantised and not have_llama:
@@ -183,10 +187,13 @@ def _try_the_base(plan: GgufPlan, run_dir: Path) -> None:
 
 
 def _local_base(run_dir: Path) -> Optional[Path]:
-    """The run's base model as a local directory, or None (not resolvable here: the export will say why)."""
+    """The run's base model as a local directory (a fully fine-tuned run is its own), or None (not resolvable here:
+    the export will say why)."""
     from delft.models.sources import resolve_model
     from delft.rundir import base_model
 
+    if is_merged_model(run_dir):
+        return run_dir
     name = base_model(run_dir)
     if not name:
         return None
