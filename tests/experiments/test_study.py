@@ -14,7 +14,8 @@ from delft.experiments.study import _contenders, eval_data, load_study, run_stud
 from delft.recipe import load_recipe
 
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
-LOSS_STUDIES = [p for p in STUDIES if p.name != "grpo.study.yaml"]  # the GRPO study's arms differ in grpo too
+LOSS_STUDIES = [p for p in STUDIES if p.name in ("arithmetic.study.yaml", "worked.study.yaml")]  # SmolLM2 LoRA
+SCRATCH_STUDIES = [p for p in STUDIES if p.name.startswith(("scratch", "scale_"))]  # models from scratch
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
@@ -44,6 +45,32 @@ def test_shipped_studies_resolve(path, tmp_path):
         data = eval_data(name, spec, cfg0, tmp_path)
         if data.source == "synthetic":
             assert data.synthetic.seed != cfg0.data.synthetic.seed  # held out from training
+
+
+def test_every_shipped_study_is_tested_here():
+    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | {REPO / "recipes" / "study" / "grpo.study.yaml"}
+
+
+@pytest.mark.parametrize("path", SCRATCH_STUDIES, ids=lambda p: p.name)
+def test_the_scratch_studies_say_in_advance_what_would_answer_them(path, tmp_path):
+    study = load_study(path)
+    assert path.read_text().startswith(f"# delft study recipes/study/{path.name}")
+    assert "Stated before the runs" in study.description and study.margin == 3.0
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    by = {c.name.split("_", 1)[-1] if c.name.startswith(("small_", "large_")) else c.name: c.recipe
+          for c in contenders}
+    assert {"ce", "del_prob"} <= set(by) and by["del_prob"].loss.weight == 1.0
+    for r in by.values():
+        assert r.model.init == "scratch" and r.model.tokenizer == "char" and r.train.finetuning == "full"
+        assert r.train.snapshot_steps == study.curve and len(study.curve) == 3  # 4 points with the end
+        assert study.curve[-1] < r.train.max_steps
+    scratch = load_study(REPO / "recipes" / "study" / "scratch.study.yaml")
+    same = _contenders(scratch, REPO / "recipes" / "study" / "scratch.study.yaml", [], tmp_path, quiet())[0].recipe
+    for r in by.values():  # the scale studies change only the model's size
+        assert r.data == same.data and r.train == same.train and r.model.tokenizer == same.model.tokenizer
+    if path.name == "scratch.study.yaml":
+        assert study.controls() == ["ntl_was"] and len(study.seeds) == 4 and set(by) == {"ce", "del_prob", "del",
+                                                                                          "ntl_was"}
 
 
 def test_the_grpo_study_resolves_to_its_four_arms(tmp_path):
