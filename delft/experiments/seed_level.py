@@ -110,6 +110,47 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
     return lines
 
 
+def flips(report: dict) -> list[dict]:
+    """Per greedy set: how many problems each recipe's run turns from right to wrong or back against the
+    reference's run of the same seed, beside what a new seed does to the reference itself (its seed pairs). An arm
+    that flips far fewer answers than a new seed is nearly the reference, whatever its interval says."""
+    from itertools import combinations
+
+    out = []
+    for key, sec in report["evals"].items():
+        if sec["settings"]["mode"] != "greedy":
+            continue
+        ref = sec["settings"]["reference"]
+        exact = {(m["recipe"], m["seed"]): [bool(p["exact"]) for p in m["predictions"]] for m in sec["models"]
+                 if m.get("recipe") is not None}
+        seeds = sorted(s for r, s in exact if r == ref)
+
+        def count(a, b):
+            return sum(x != y for x, y in zip(exact[a], exact[b]))
+
+        arms = {r: {s: count((ref, s), (r, s)) for s in seeds if (r, s) in exact}
+                for r in dict.fromkeys(r for r, _ in exact) if r != ref}
+        out.append({"set": key, "reference": ref, "n": len(sec["problems"]), "arms": arms,
+                    "reference_seed_pairs": {f"{a}-{b}": count((ref, a), (ref, b)) for a, b in combinations(seeds, 2)}})
+    return out
+
+
+def flip_lines(rows: list[dict]) -> list[str]:
+    """The summary's section on :func:`flips`."""
+    if not rows:
+        return []
+    lines = ["## Answers that changed", "", "Problems whose exact-match verdict (right or wrong) differs from the "
+             "reference's run of the same seed; the last column is what a new seed does to the reference itself.", "",
+             "| set | recipe | flipped, per seed | the reference, seed against seed |", "|---|---|---|---|"]
+    for r in rows:
+        noise = ", ".join(f"{v} ({k})" for k, v in r["reference_seed_pairs"].items()) or "- (one seed)"
+        for name, per_seed in r["arms"].items():
+            lines.append(f"| {r['set']} (n={r['n']}) | {name} vs {r['reference']} | "
+                         f"{', '.join(str(v) for v in per_seed.values())} | {noise} |")
+    lines.append("")
+    return lines
+
+
 def seed_level_lines(rows: list[dict]) -> list[str]:
     """The summary's section on the rows of :func:`seed_analysis`."""
     if not rows:

@@ -454,7 +454,7 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
 def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
             sections: dict, curves: dict, seconds: dict) -> dict:
     from delft.experiments.compare import json_ready
-    from delft.experiments.seed_level import seed_analysis, verdicts
+    from delft.experiments.seed_level import flips, seed_analysis, verdicts
 
     report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
@@ -470,6 +470,7 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
     report["plots"] = {key: str(Path(study.out) / f"{key}.png") for key in sections}
     report["seed_level"] = seed_analysis(report)
     report["verdicts"] = verdicts(report["seed_level"], study.controls(), study.margin)
+    report["flips"] = flips(report)
     return report
 
 

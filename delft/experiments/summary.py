@@ -129,9 +129,10 @@ def study_summary(report: dict) -> str:
     for key, sec in report["evals"].items():
         lines += headline(key, sec, seeds)
     from delft.experiments.curves import curve_lines
-    from delft.experiments.seed_level import seed_level_lines, verdict_lines
+    from delft.experiments.seed_level import flip_lines, flips, seed_level_lines, verdict_lines
 
     lines += seed_level_lines(report.get("seed_level", []))
+    lines += flip_lines(report.get("flips") or flips(report))
     lines += curve_lines(report.get("curves") or {})
     lines += verdict_lines(report.get("verdicts"))
     lines += ["## Every set in full", ""]

@@ -116,3 +116,18 @@ def test_verdicts_follow_the_stated_rules(arm, control, expected):
     v = verdicts([arm, control], ["ntl"], 3.0)
     assert [a["verdict"] for a in v["arms"]] == [expected]
     assert bool(v["controls"]["ntl"]) == (control["holm_p"] < 0.05)
+
+
+def test_flips_count_changed_verdicts_against_the_same_seed_and_between_reference_seeds():
+    from delft.experiments.seed_level import flip_lines, flips
+
+    def model(recipe, seed, flags):
+        return {"recipe": recipe, "seed": seed, "predictions": [{"exact": f} for f in flags]}
+
+    report = {"evals": {"s": {"settings": {"mode": "greedy", "reference": "ce"}, "problems": [{}] * 4, "models": [
+        model(None, None, [0, 0, 0, 0]), model("ce", 0, [1, 1, 0, 0]), model("ce", 1, [0, 1, 1, 0]),
+        model("del", 0, [1, 1, 0, 1]), model("del", 1, [0, 1, 1, 0])]}}}
+    rows = flips(report)
+    assert rows == [{"set": "s", "reference": "ce", "n": 4, "arms": {"del": {0: 1, 1: 0}},
+                     "reference_seed_pairs": {"0-1": 2}}]
+    assert "| s (n=4) | del vs ce | 1, 0 | 2 (0-1) |" in flip_lines(rows)
