@@ -48,7 +48,21 @@ def test_shipped_studies_resolve(path, tmp_path):
 
 
 def test_every_shipped_study_is_tested_here():
-    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | {REPO / "recipes" / "study" / "grpo.study.yaml"}
+    others = {REPO / "recipes" / "study" / f"{name}.study.yaml" for name in ("grpo", "del_prob_weight")}
+    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | others
+
+
+def test_the_weight_sweep_is_the_arithmetic_study_at_three_del_prob_weights(tmp_path):
+    path = REPO / "recipes" / "study" / "del_prob_weight.study.yaml"
+    study = load_study(path)
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    by = {c.name: c.recipe for c in contenders}
+    assert [(r.loss.type, r.loss.weight) for r in by.values()] == [("ce", 0.0), ("del_prob", 0.3), ("del_prob", 1.0),
+                                                                  ("del_prob", 3.0)]
+    arithmetic = load_study(REPO / "recipes" / "study" / "arithmetic.study.yaml")
+    ce = _contenders(arithmetic, REPO / "recipes" / "study" / "arithmetic.study.yaml", [], tmp_path, quiet())[0]
+    assert by["ce"] == ce.recipe  # the same runs: the arithmetic study's ce and del_prob arms are reused
+    assert by["del_prob"].loss == load_recipe(QUICKSTART).loss
 
 
 @pytest.mark.parametrize("path", SCRATCH_STUDIES, ids=lambda p: p.name)
