@@ -310,6 +310,15 @@ def recipe_check(
         run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
 
 
+@recipe_app.command("keys")
+@friendly
+def recipe_keys():
+    """Print every recipe key with its type, default and description (Markdown; docs/recipe_keys.md)."""
+    from delft.recipe_keys import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+
+
 def _split_recipe(targets: list[str]) -> tuple[Optional[Path], list[str]]:
     """The first argument is a recipe when it is a .yaml/.yml file; the rest are runs."""
     if targets and targets[0].lower().endswith((".yaml", ".yml")):

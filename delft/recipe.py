@@ -122,7 +122,8 @@ class ModelConfig(Section):
 
 
 class QuantizationConfig(Section):
-    mode: Literal["auto", "nf4", "none"] = Field("auto", description="'auto' = nf4 on CUDA, none on CPU.")
+    mode: Literal["auto", "nf4", "none"] = Field("auto", description="'auto' = nf4 on CUDA for LoRA (QLoRA), none "
+                                                 "on CPU and with full fine-tuning.")
     double_quant: bool = Field(True, description="Quantise the nf4 scales too (saves ~0.4 bit/param).")
     kbit_upcast: bool = Field(
         False, description="Call peft's prepare_model_for_kbit_training (fp32 upcasts; costs much VRAM, see docs/gpu.md).")

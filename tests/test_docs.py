@@ -162,3 +162,15 @@ def test_the_citation_scan_finds_what_it_should(tmp_path):
                                       ("results/study/arithmetic/REPORT.md", ""), ("README.md", "install-and-run")]
     assert CITATION.findall('(tmp / "README.md").write_text(card)') == []  # an export's own model card
     assert OLD_CITATION.search('(README, "The losses")') and OLD_CITATION.search('README.md ("Evaluating")')
+
+
+def test_the_recipe_keys_page_is_generated_from_the_schema():
+    from delft.recipe import Recipe, flat_keys
+    from delft.recipe_keys import reference_markdown
+
+    page = (REPO / "docs" / "recipe_keys.md").read_text()
+    assert page == reference_markdown(), "docs/recipe_keys.md is stale: run `delft recipe keys > docs/recipe_keys.md`"
+    for key in flat_keys(Recipe().to_dict()):
+        if not key.startswith(("eval.data", "model.architecture")):  # sections unset by default
+            assert f"`{key}`" in page, key
+    assert "`model.architecture.hidden_size`" in page and "### eval.data" in page
