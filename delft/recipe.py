@@ -217,9 +217,13 @@ class TrainConfig(Section):
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="lora: train a LoRA adapter (the lora section) on the frozen base; full: train every "
         "weight (the paper's setting; the run saves a standalone model, no merge step).")
-    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "sgd"] = Field(
         "adamw", description="adamw: AdamW with fp32 states (bitsandbytes' 32-bit AdamW when weights are bf16/fp16, "
-        "so the states stay fp32); adamw_8bit: bitsandbytes' 8-bit AdamW (CUDA only; a quarter of the state memory).")
+        "so the states stay fp32); adamw_8bit: bitsandbytes' 8-bit AdamW (a quarter of the state memory); "
+        "paged_adamw_8bit: the same, its states paged to CPU memory under pressure (both CUDA only); sgd: plain "
+        "SGD with momentum (no state without momentum).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's beta1 and beta2 (the AdamW optimizers).")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum (0: none).")
     snapshot_steps: list[int] = Field(
         default_factory=list, description="Steps at which a copy of the model (or adapter) is kept in "
         "snapshots/step-N of the run, for learning curves (delft study's curve evaluates them).")
@@ -228,7 +232,14 @@ class TrainConfig(Section):
     batch_size: int = Field(8, gt=0, description="Examples per micro-batch.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (LoRA likes 1e-4..5e-4).")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="After warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay: "
+        "constant, then a cosine decay over the last decay_ratio of the steps).")
+    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd only: the share of steps spent decaying at the end.")
+    neftune_alpha: Optional[float] = Field(
+        None, gt=0, description="NEFTune (arXiv 2310.05914, as TRL and transformers' Trainer have it): uniform noise "
+        "of magnitude alpha / sqrt(positions x hidden size) on the input embeddings while training (e.g. 5); "
+        "unset: off.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up linearly.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 = off).")
@@ -245,6 +256,19 @@ class TrainConfig(Section):
         0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
     accuracy_examples: int = Field(
         32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
+
+    @model_validator(mode="after")
+    def _optimizer_keys(self):
+        fields = type(self).model_fields
+        if self.optimizer != "sgd" and self.momentum != fields["momentum"].default:
+            raise ValueError("momentum only applies to optimizer sgd (AdamW has betas)")
+        if self.optimizer == "sgd" and self.betas != fields["betas"].default:
+            raise ValueError("betas only apply to the AdamW optimizers, not sgd (it has momentum)")
+        if self.lr_scheduler != "wsd" and self.decay_ratio != fields["decay_ratio"].default:
+            raise ValueError("decay_ratio only applies to lr_scheduler wsd")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), not {list(self.betas)}")
+        return self
 
     @field_validator("snapshot_steps")
     @classmethod
@@ -366,6 +390,13 @@ class Recipe(Section):
                              "(drop one of them)")
         if full and self.train.stage == "grpo":
             raise ValueError("train.stage grpo trains a LoRA policy here; use train.finetuning: lora")
+        if self.train.stage == "grpo":
+            t, d = self.train, type(self.train).model_fields
+            changed = [k for k in ("optimizer", "betas", "momentum", "neftune_alpha", "snapshot_steps")
+                       if getattr(t, k) != (d[k].default_factory() if d[k].default_factory else d[k].default)]
+            if changed or t.lr_scheduler == "wsd":
+                raise ValueError(f"train.stage grpo runs TRL's GRPOTrainer with its AdamW and schedules; "
+                                 f"{', '.join(changed) or 'lr_scheduler wsd'} only apply to train.stage sft")
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")

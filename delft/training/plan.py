@@ -172,11 +172,18 @@ def planned_nf4(recipe) -> bool:
     return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora")
 
 
+def _state_bytes(recipe) -> float:
+    """The optimizer's state per trained parameter: AdamW's two moments in fp32, or in 8 bits with one fp32 absmax
+    per block of 256 (the 8-bit AdamWs), or SGD's momentum buffer (none without momentum)."""
+    t = recipe.train
+    if t.optimizer == "sgd":
+        return 4 if t.momentum > 0 else 0
+    return 2 * (1 + 4 / 256) if t.optimizer in ("adamw_8bit", "paged_adamw_8bit") else 8
+
+
 def _optimizer_bytes_per_param(recipe) -> float:
-    """Full fine-tuning: each weight's gradient (in the weights' dtype) and AdamW's two moments (fp32, or 8-bit
-    with one fp32 absmax per block of 256 for adamw_8bit)."""
-    states = 2 * (1 + 4 / 256) if recipe.train.optimizer == "adamw_8bit" else 8
-    return _dtype_bytes(recipe.model.dtype) + states
+    """Full fine-tuning: each weight's gradient (in the weights' dtype) and the optimizer's state."""
+    return _dtype_bytes(recipe.model.dtype) + _state_bytes(recipe)
 
 
 def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
@@ -198,7 +205,7 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     if recipe.train.finetuning == "full":
         return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
     lora_params = L * sum(lo.r * (a + b) for k, (a, b) in lin.items() if k in _lora_targets(lo.target_modules))
-    return weights_nf4, weights_16, lora_params * LORA_BYTES
+    return weights_nf4, weights_16, lora_params * (LORA_BYTES - 8 + _state_bytes(recipe))
 
 
 def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
@@ -501,6 +508,13 @@ def planned_fused(recipe) -> tuple[bool, bool, str]:
     return fused, liger, ""
 
 
+def _state_words(recipe) -> str:
+    t = recipe.train
+    if t.optimizer == "sgd":
+        return "SGD's momentum buffer" if t.momentum > 0 else "no optimizer state (SGD without momentum)"
+    return f"two 8-bit moments ({t.optimizer})" if "8bit" in t.optimizer else "two fp32 moments (AdamW)"
+
+
 def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tuple[str, int, str]]:
     """(component, bytes, what) for the table, in the order they are printed."""
     t = recipe.train
@@ -518,10 +532,10 @@ def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> lis
         ("weights, 16-bit" if not recipe.quantization.kbit_upcast else "weights, fp32 (kbit_upcast)",
          est["weights_16bit"], f"embeddings{' (tied output layer)' if s['tied'] else ' + output layer'}, norms"
          + ("" if nf4 else ", linear layers")),
-        (("gradients + AdamW", est["lora_optimizer"], f"full fine-tuning: every weight's {d}-byte gradient, two "
-          + ("8-bit moments (adamw_8bit)" if t.optimizer == "adamw_8bit" else "fp32 moments"))
-         if t.finetuning == "full" else
-         ("LoRA + AdamW", est["lora_optimizer"], f"r={recipe.lora.r}: fp32 weights, gradients, two moments")),
+        (("gradients + optimizer", est["lora_optimizer"], f"full fine-tuning: every weight's {d}-byte gradient, "
+          + _state_words(recipe)) if t.finetuning == "full" else
+         ("LoRA + optimizer", est["lora_optimizer"], f"r={recipe.lora.r}: fp32 weights, gradients, "
+          + _state_words(recipe))),
         ("activations", est["activations"],
          (f"each layer input: {B} x {T} x {s['hidden']} x {d} bytes" if t.gradient_checkpointing
           else "every layer keeps its activations (no checkpointing; rough)")),

@@ -80,17 +80,24 @@ def build_model(s: Setup, console: Console):
     return model, dtype, kernels
 
 
+CUDA_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # bitsandbytes' blockwise 8-bit kernels
+
+
 def build_optimizer(s: Setup, params: list, dtype):
-    """AdamW over ``params``: torch's in fp32; bitsandbytes' 32-bit AdamW for bf16/fp16 weights (full fine-tuning
-    on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' 8-bit AdamW when asked (CUDA only)."""
+    """The recipe's optimizer over ``params``: torch's AdamW in fp32; bitsandbytes' 32-bit AdamW for bf16/fp16
+    weights (full fine-tuning on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' (paged)
+    8-bit AdamW (CUDA only); torch's SGD."""
     import torch
 
     t = s.recipe.train
-    if t.optimizer == "adamw_8bit" and s.device != "cuda":
-        raise UserError("train.optimizer adamw_8bit is bitsandbytes' CUDA optimizer; this run is on the CPU",
-                        "train.optimizer", "Use train.optimizer: adamw on the CPU.")
+    if t.optimizer in CUDA_OPTIMIZERS and s.device != "cuda":
+        raise UserError(f"train.optimizer {t.optimizer} is bitsandbytes' CUDA optimizer; this run is on the CPU",
+                        "train.optimizer", "Use train.optimizer: adamw (or sgd) on the CPU.")
+    common = dict(lr=t.learning_rate, weight_decay=t.weight_decay)
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, momentum=t.momentum, **common)
     if t.optimizer == "adamw" and dtype == torch.float32:
-        return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        return torch.optim.AdamW(params, betas=t.betas, **common)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
@@ -98,8 +105,25 @@ def build_optimizer(s: Setup, params: list, dtype):
                         f"bitsandbytes ({e})", "train.optimizer", "pip install bitsandbytes, or set model.dtype: "
                         "float32.") from None
     if t.optimizer == "adamw_8bit":
-        return bnb.optim.AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    return bnb.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, optim_bits=32)
+        return bnb.optim.AdamW8bit(params, betas=t.betas, **common)
+    if t.optimizer == "paged_adamw_8bit":
+        return bnb.optim.PagedAdamW8bit(params, betas=t.betas, **common)
+    return bnb.optim.AdamW(params, betas=t.betas, optim_bits=32, **common)
+
+
+def build_scheduler(recipe: Recipe, optimizer, warmup_steps: int, total_steps: int):
+    """transformers' schedule of the recipe: cosine, linear, constant (after warmup) or warmup-stable-decay."""
+    from transformers import get_scheduler
+
+    t = recipe.train
+    if t.lr_scheduler == "wsd":
+        decay = max(1, round(t.decay_ratio * total_steps))
+        return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=warmup_steps,
+                             num_training_steps=total_steps,
+                             scheduler_specific_kwargs={"num_decay_steps": decay,
+                                                        "num_stable_steps": max(0, total_steps - warmup_steps - decay)})
+    name = "constant_with_warmup" if t.lr_scheduler == "constant" else t.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 
 def describe(s: Setup, model, dtype, console: Console) -> None:

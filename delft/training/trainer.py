@@ -43,7 +43,7 @@ from delft.training.resume import (
     truncate_metrics,
 )
 from delft.training.schedule import make_schedule, micro_batch_items
-from delft.training.setup import Setup, build_model, build_optimizer, describe, setup
+from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
 from delft.training.signals import StopSignals
 from delft.training.step import evaluate_loss, optimizer_step
 
@@ -52,16 +52,18 @@ class Trainer:
     """One run's optimizer, schedule and run directory, and the loop that steps, logs, validates and saves."""
 
     def __init__(self, s: Setup, model, dtype, run_dir: Path, console: Console):
-        from transformers import get_scheduler
-
         t = s.recipe.train
         self.s, self.model, self.run_dir, self.console = s, model, run_dir, console
         self.recipe, self.loss = s.recipe, s.loss
         self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(s, self.params, dtype)
-        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.schedule.warmup_steps,
-                                       num_training_steps=self.schedule.total_steps)
+        self.scheduler = build_scheduler(s.recipe, self.optimizer, self.schedule.warmup_steps,
+                                         self.schedule.total_steps)
+        if t.neftune_alpha:
+            from delft.training.neftune import add_neftune
+
+            add_neftune(model, t.neftune_alpha)
         self.metrics_path = run_dir / rundir.METRICS
         self.term_name = s.recipe.loss.type.upper() if s.recipe.loss.type != "ce" else "digit"
         self.step = 0
