@@ -135,6 +135,16 @@ class LoraConfig(Section):
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: Union[Literal["all-linear"], list[str]] = Field(
         "all-linear", description="'all-linear' (every linear projection except the output layer) or module names.")
+    use_dora: bool = Field(False, description="DoRA (arXiv 2402.09353): a trained magnitude per output beside the "
+                           "LoRA direction (peft's use_dora); merges like LoRA.")
+    use_rslora: bool = Field(False, description="rsLoRA: scale alpha / sqrt(r) instead of alpha / r (steadier at "
+                             "large ranks; peft's use_rslora).")
+    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained in full and saved with "
+                                       "the adapter, e.g. [embed_tokens, lm_head] when new tokens are trained.")
+    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default", description="peft's init_lora_weights: default (B = 0, A Kaiming), gaussian, pissa (the principal "
+        "singular vectors, arXiv 2404.02948), olora (a QR of the weights); pissa and olora move the base weights, so "
+        "the saved adapter is converted (rank 2r) to apply to the original base, as peft documents.")
 
 
 MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exact (digits.DECIMAL_PRECISION)

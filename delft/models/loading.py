@@ -139,6 +139,22 @@ def apply_liger_layers(model) -> list[str]:
     return ["rms_norm", "swiglu", "rope"]
 
 
+LORA_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}  # lora.init -> peft's
+MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weights: saved adapters are converted back
+
+
+def save_initial_adapter(model, path: Path) -> None:
+    """The adapter as a pissa/olora init left it, before any step: what peft's conversion subtracts at save time
+    (``save_pretrained(..., path_initial_model_for_weight_conversion=path)``), saved as a plain LoRA init."""
+    config = model.peft_config["default"]
+    init = config.init_lora_weights
+    config.init_lora_weights = True  # so that the saved initial adapter reads as a standard one (peft's recipe)
+    try:
+        model.save_pretrained(str(path))
+    finally:
+        config.init_lora_weights = init
+
+
 def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool = False):
     """Wrap in peft LoRA. Checkpointing needs input grads, or LoRA + checkpointing silently trains nothing."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -150,7 +166,9 @@ def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool 
         model.enable_input_require_grads()
     model.config.use_cache = False
     config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                        target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM")
+                        target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", use_dora=lora_cfg.use_dora,
+                        use_rslora=lora_cfg.use_rslora, modules_to_save=lora_cfg.modules_to_save or None,
+                        init_lora_weights=LORA_INITS[lora_cfg.init])
     try:
         return get_peft_model(model, config)
     except ValueError as e:

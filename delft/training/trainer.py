@@ -48,6 +48,9 @@ from delft.training.signals import StopSignals
 from delft.training.step import evaluate_loss, optimizer_step
 
 
+INITIAL_ADAPTER = "initial_adapter"  # lora.init pissa/olora: the init, for the conversion at save time
+
+
 class Trainer:
     """One run's optimizer, schedule and run directory, and the loop that steps, logs, validates and saves."""
 
@@ -70,6 +73,10 @@ class Trainer:
         self.stops = StopSignals()
         self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
         self.heldout = None  # delft.training.heldout.HeldOut when train.accuracy_steps is set
+        from delft.models.loading import MUTATING_INITS
+
+        mutating = t.finetuning == "lora" and not s.recipe.model.adapter and s.recipe.lora.init in MUTATING_INITS
+        self.initial_adapter = run_dir / INITIAL_ADAPTER if mutating else None
         if t.accuracy_steps:
             from delft.training.heldout import HeldOut
 
@@ -89,6 +96,11 @@ class Trainer:
             self.console.print(f"[yellow]--force: replacing {self.run_dir}[/]")
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.initial_adapter is not None:  # before a checkpoint loads: the init is rebuilt the same way
+            from delft.models.loading import save_initial_adapter
+
+            with staged(self.initial_adapter) as tmp:
+                save_initial_adapter(self.model, tmp)
         if ckpt is not None:
             self.step = self.resume_from(ckpt)
             truncate_metrics(self.metrics_path, self.step, self.console)
@@ -241,6 +253,14 @@ class Trainer:
                 progress.stop()
                 self.save_interrupted(resume_command)
 
+    def save_model(self, path: Path) -> None:
+        """The model or adapter as a user loads it: a pissa/olora adapter converted to apply to the original base
+        (its checkpoints stay unconverted: a resume rebuilds the same mutated base)."""
+        if self.initial_adapter is None:
+            self.model.save_pretrained(path)
+        else:
+            self.model.save_pretrained(path, path_initial_model_for_weight_conversion=str(self.initial_adapter))
+
     def snapshot(self) -> None:
         """The model (or adapter) and tokenizer as they are now, kept in snapshots/step-N (learning curves)."""
         path = rundir.snapshot_path(self.run_dir, self.step)
@@ -249,7 +269,7 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         check_free_space(path.parent, adapter_bytes(self.model) + 2**24, "snapshot")
         with staged(path) as tmp, no_space_is_a_user_error(tmp, "snapshot"):
-            self.model.save_pretrained(tmp)
+            self.save_model(tmp)
             self.s.tokenizer.save_pretrained(tmp)
             follow_umask(tmp)
 
@@ -278,7 +298,7 @@ class Trainer:
         if what == "model":
             self.model.config.use_cache = True  # as a loaded model expects (training turned it off)
         with no_space_is_a_user_error(tmp, what):
-            self.model.save_pretrained(tmp)
+            self.save_model(tmp)
             self.s.tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
         for f in tmp.iterdir():
@@ -288,6 +308,8 @@ class Trainer:
             plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
         rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran)
         shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
+        if self.initial_adapter is not None:
+            shutil.rmtree(self.initial_adapter, ignore_errors=True)
         self.console.print(f"[bold green]done[/] {what}, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
 
 
