@@ -295,6 +295,9 @@ def recipe_check(
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
     world_size: int = typer.Option(1, "--world-size", min=1, help="Plan each GPU of a run on N processes."),
+    show_examples: int = typer.Option(0, "--show-examples", min=0, help="Print the first N training examples as "
+                                      "the trainer tokenizes them: masked and trained spans, the digits the loss "
+                                      "scores and their places."),
 ):
     """Validate a recipe and print it with every default resolved."""
     from rich.syntax import Syntax
@@ -308,6 +311,10 @@ def recipe_check(
         from delft.training.plan import run_plan
 
         run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
+    if show_examples:
+        from delft.training.preview import show_examples as show
+
+        show(cfg, show_examples, console)
 
 
 @recipe_app.command("keys")
