@@ -267,6 +267,13 @@ class TrainConfig(Section):
     accuracy_examples: int = Field(
         32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
 
+    early_stopping: Optional[EarlyStoppingConfig] = Field(
+        None, description="Stop when the metric stops improving ({metric, patience, min_delta}); unset: train to "
+        "the end.")
+    keep_best: bool = Field(False, description="Write the best measurement's model (or adapter) at the end instead "
+                            "of the last one (the early_stopping metric, else val_loss); delft_run.json says which "
+                            "step and why.")
+
     @model_validator(mode="after")
     def _optimizer_keys(self):
         fields = type(self).model_fields
@@ -276,6 +283,9 @@ class TrainConfig(Section):
             raise ValueError("betas only apply to the AdamW optimizers, not sgd (it has momentum)")
         if self.lr_scheduler != "wsd" and self.decay_ratio != fields["decay_ratio"].default:
             raise ValueError("decay_ratio only applies to lr_scheduler wsd")
+        metric = self.early_stopping.metric if self.early_stopping else ("val_loss" if self.keep_best else None)
+        if metric == "heldout_accuracy" and not self.accuracy_steps:
+            raise ValueError("early_stopping.metric heldout_accuracy is measured every train.accuracy_steps: set it")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must each be in [0, 1), not {list(self.betas)}")
         return self
@@ -286,6 +296,14 @@ class TrainConfig(Section):
         if any(s <= 0 for s in steps):
             raise ValueError("snapshot steps are optimizer steps, 1 or more")
         return sorted(set(steps))
+
+
+class EarlyStoppingConfig(Section):
+    metric: Literal["val_loss", "heldout_accuracy"] = Field(
+        "val_loss", description="What is watched: the validation loss (every train.eval_steps; lower is better) or "
+        "the held-out exact match (every train.accuracy_steps; higher is better).")
+    patience: int = Field(3, gt=0, description="Stop after this many measurements in a row without an improvement.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the best by more than this.")
 
 
 class GrpoConfig(Section):
@@ -407,6 +425,12 @@ class Recipe(Section):
             if changed or t.lr_scheduler == "wsd":
                 raise ValueError(f"train.stage grpo runs TRL's GRPOTrainer with its AdamW and schedules; "
                                  f"{', '.join(changed) or 'lr_scheduler wsd'} only apply to train.stage sft")
+        tracked = self.train.early_stopping is not None or self.train.keep_best
+        if tracked and (self.train.early_stopping is None or self.train.early_stopping.metric == "val_loss") \
+                and self.data.val_size == 0:
+            raise ValueError("early stopping and keep_best on val_loss need a validation split: set data.val_size")
+        if tracked and self.train.stage == "grpo":
+            raise ValueError("early_stopping and keep_best apply to train.stage sft")
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")

@@ -49,7 +49,7 @@ def no_space_is_a_user_error(tmp: Path, what: str):
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep: int,
-                    rng: Optional[dict] = None) -> Path:
+                    rng: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
     """Adapter + optimizer + scheduler + RNG (``rng``: the states to resume with; default the current ones),
     written to a temporary folder and renamed: never half-written."""
     import torch
@@ -59,7 +59,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     root.mkdir(parents=True, exist_ok=True)
     check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": rng or rng_states()}
+             "rng": rng or rng_states(), "extra": extra or {}}
     with staged(final) as tmp, no_space_is_a_user_error(tmp, "checkpoint"):
         model.save_pretrained(tmp)
         torch.save(state, tmp / rundir.STATE_FILE)
@@ -93,11 +93,15 @@ def _load_weights(ckpt: Path, model) -> None:
                         f"{len(missing)} missing)", "output.dir", "Use --force to start over.")
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, extra: Optional[dict] = None) -> int:
+    """Restore ``ckpt`` into the model, optimizer, scheduler and RNGs; ``extra`` gets what the trainer stored beside
+    them (early stopping's state). Returns the step."""
     import torch
 
     _load_weights(ckpt, model)
     state = torch.load(ckpt / rundir.STATE_FILE, weights_only=False)
+    if extra is not None:
+        extra.update(state.get("extra") or {})
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])

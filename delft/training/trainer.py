@@ -26,6 +26,7 @@ from delft.errors import UserError
 from delft.outputs import follow_umask, staged, write_atomic
 from delft.recipe import Recipe, dump_recipe
 from delft.training import distributed as dist
+from delft.training.best import BEST_DIR, BEST_INFO
 from delft.training.checkpoints import (
     adapter_bytes,
     check_free_space,
@@ -77,6 +78,10 @@ class Trainer:
 
         mutating = t.finetuning == "lora" and not s.recipe.model.adapter and s.recipe.lora.init in MUTATING_INITS
         self.initial_adapter = run_dir / INITIAL_ADAPTER if mutating else None
+        from delft.training.best import Tracker
+
+        self.tracker = Tracker.from_recipe(s.recipe)  # early stopping / keep_best; None when neither is set
+        self.stopped_at: Optional[int] = None
         if t.accuracy_steps:
             from delft.training.heldout import HeldOut
 
@@ -122,7 +127,11 @@ class Trainer:
         older = [c for c in reversed(rundir.checkpoints(self.run_dir)) if c.name < ckpt.name]
         for candidate in [ckpt, *older]:
             try:
-                return load_checkpoint(candidate, self.model, self.optimizer, self.scheduler)
+                extra: dict = {}
+                step = load_checkpoint(candidate, self.model, self.optimizer, self.scheduler, extra)
+                if self.tracker is not None:
+                    self.tracker.load(extra.get("tracker"))
+                return step
             except UserError:
                 raise
             except Exception as e:  # truncated safetensors, a broken pickle, a missing file: many types
@@ -136,7 +145,7 @@ class Trainer:
             return None
         t = self.recipe.train
         path = save_checkpoint(self.run_dir, self.model, self.optimizer, self.scheduler, self.step, t.keep_checkpoints,
-                               self.step_rng)
+                               self.step_rng, extra={"tracker": self.tracker.state() if self.tracker else None})
         rundir.update_info(self.run_dir, step=self.step, loss_path=self.loss.path_ran,
                            **({"status": status} if status else {}))
         return path
@@ -189,24 +198,28 @@ class Trainer:
         self.console.print(f"step {self.step:>5}/{self.schedule.total_steps}  {stats}  lr {row['lr']:.2e}  "
                            f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
 
-    def validate(self) -> None:
+    def validate(self) -> Optional[float]:
+        """The validation loss (logged and shown) on rank 0; None on the others."""
         if not dist.is_main():  # validation loss runs on rank 0 alone; the others wait at the next step
-            return
+            return None
         ev = evaluate_loss(self.model, self.s.val, self.loss, self.recipe.train.batch_size,
                            self.s.tokenizer.pad_token_id, self.s.device)
         self._append_metrics({"step": self.step, **ev})
         self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
                            f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
+        return ev["val_loss"]
 
-    def measure_accuracy(self) -> None:
-        """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown; rank 0 alone, like validation."""
+    def measure_accuracy(self) -> Optional[float]:
+        """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown; rank 0 alone, like
+        validation (None on the others)."""
         if not dist.is_main():
-            return
+            return None
         row = {"step": self.step, **self.heldout.measure(self.model)}
         self._append_metrics(row)
         self.console.print(f"step {self.step:>5}  held-out exact match {100 * row['accuracy']:.1f} % of "
                            f"{row['accuracy_n']}  (digits {100 * (row['digit_accuracy'] or 0):.1f} %)",
                            highlight=False)
+        return row["accuracy"]
 
     # -- the loop
 
@@ -237,21 +250,65 @@ class Trainer:
                         stats += f"  digit logit {out['digit_logit']:+.1f}  P(digit) {out['p_digit']:.2f}"
                     progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
                                                                      f"peak {peak_memory_gb(self.s.device):.2f} GB")
-                    last = self.step == total
-                    if self.step % t.logging_steps == 0 or last:
-                        self.log(out, grad_norm, rate, stats)
+                    logged, stop = self.after_step(out, grad_norm, rate, stats)
+                    if logged:
                         window_tokens, window_start = 0, time.perf_counter()
-                    if self.s.val and (self.step % t.eval_steps == 0 or last):
-                        self.validate()
-                    if self.heldout is not None and (self.step % t.accuracy_steps == 0 or last):
-                        self.measure_accuracy()
-                    if self.step % t.save_steps == 0 and not last:
-                        self.save()
-                    if self.step in t.snapshot_steps:
-                        self.snapshot()
+                    if stop:
+                        self.stopped_at = self.step
+                        if dist.is_main():
+                            self.console.print(f"[yellow]early stopping[/] at step {self.step}: "
+                                               f"{self.tracker.summary(self.step)['stopped_early']['why']}")
+                        break
             except KeyboardInterrupt:
                 progress.stop()
                 self.save_interrupted(resume_command)
+
+    def after_step(self, out: dict, grad_norm: float, rate: float, stats: str) -> tuple[bool, bool]:
+        """Log, validate, measure, save and snapshot as this step asks: (logged, early stopping ends the run)."""
+        t, last = self.recipe.train, self.step == self.schedule.total_steps
+        logged = self.step % t.logging_steps == 0 or last
+        if logged:
+            self.log(out, grad_norm, rate, stats)
+        measured = {}
+        if self.s.val and (self.step % t.eval_steps == 0 or last):
+            measured["val_loss"] = self.validate()
+        if self.heldout is not None and (self.step % t.accuracy_steps == 0 or last):
+            measured["heldout_accuracy"] = self.measure_accuracy()
+        stop = self.track(measured) and not last
+        if self.step % t.save_steps == 0 and not last and not stop:
+            self.save()
+        if self.step in t.snapshot_steps:
+            self.snapshot()
+        return logged, stop
+
+    def track(self, measured: dict) -> bool:
+        """Feed the tracked metric to early stopping / keep_best (rank 0 measures; every rank learns whether to stop)."""
+        if self.tracker is None or self.tracker.metric not in measured:
+            return False
+        if dist.is_main() and self.tracker.update(measured[self.tracker.metric], self.step) \
+                and self.recipe.train.keep_best:
+            self.save_best()
+        stop = dist.is_main() and self.tracker.should_stop
+        return bool(dist.all_reduce_floats([float(stop)])[0])
+
+    def save_best(self) -> None:
+        """The best step's model (or adapter) in best/, replacing the earlier best, with its step."""
+        from delft.training.best import BEST_DIR, BEST_INFO
+
+        with staged(self.run_dir / BEST_DIR) as tmp, no_space_is_a_user_error(tmp, "best model"):
+            self.save_model(tmp)
+            (tmp / BEST_INFO).write_text(json.dumps({"step": self.step, "metric": self.tracker.metric,
+                                                     "value": self.tracker.best}))
+            follow_umask(tmp)
+
+    def best_dir(self) -> Optional[Path]:
+        """best/ when keep_best wrote it for the step the tracker holds as best (else None: the last model is used)."""
+        from delft.training.best import BEST_DIR, BEST_INFO
+
+        path = self.run_dir / BEST_DIR
+        if not self.recipe.train.keep_best or not (path / BEST_INFO).is_file():
+            return None
+        return path if json.loads((path / BEST_INFO).read_text())["step"] == self.tracker.best_step else None
 
     def save_model(self, path: Path) -> None:
         """The model or adapter as a user loads it: a pissa/olora adapter converted to apply to the original base
@@ -297,8 +354,12 @@ class Trainer:
         check_free_space(run_dir, adapter_bytes(self.model) + 2**24, f"{what} and tokenizer")
         if what == "model":
             self.model.config.use_cache = True  # as a loaded model expects (training turned it off)
+        best = self.best_dir()
         with no_space_is_a_user_error(tmp, what):
-            self.save_model(tmp)
+            if best is not None:  # keep_best: the best step's files, not the last step's
+                shutil.copytree(best, tmp, ignore=shutil.ignore_patterns(BEST_INFO))
+            else:
+                self.save_model(tmp)
             self.s.tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
         for f in tmp.iterdir():
@@ -306,8 +367,12 @@ class Trainer:
         tmp.rmdir()
         if self.metrics_path.is_file():
             plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
-        rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran)
+        info = self.tracker.summary(self.stopped_at) if self.tracker is not None and self.tracker.best_step else {}
+        if info and self.recipe.train.keep_best:
+            info["best"]["written"] = best is not None  # False: best/ was lost (a shortened resume); the last is
+        rundir.update_info(run_dir, step=self.step, status=rundir.COMPLETED, loss_path=self.loss.path_ran, **info)
         shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
+        shutil.rmtree(run_dir / BEST_DIR, ignore_errors=True)
         if self.initial_adapter is not None:
             shutil.rmtree(self.initial_adapter, ignore_errors=True)
         self.console.print(f"[bold green]done[/] {what}, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
