@@ -267,6 +267,11 @@ class TrainConfig(Section):
     accuracy_examples: int = Field(
         32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
 
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers that get every metrics.jsonl row, the recipe as the "
+        "run's config and the loss plot: tensorboard (run_dir/tensorboard), wandb (offline unless WANDB_MODE says "
+        "otherwise), mlflow (run_dir/mlruns unless MLFLOW_TRACKING_URI); each an extra. metrics.jsonl stays the "
+        "source of truth.")
     early_stopping: Optional[EarlyStoppingConfig] = Field(
         None, description="Stop when the metric stops improving ({metric, patience, min_delta}); unset: train to "
         "the end.")
@@ -420,7 +425,7 @@ class Recipe(Section):
             raise ValueError("train.stage grpo trains a LoRA policy here; use train.finetuning: lora")
         if self.train.stage == "grpo":
             t, d = self.train, type(self.train).model_fields
-            changed = [k for k in ("optimizer", "betas", "momentum", "neftune_alpha", "snapshot_steps")
+            changed = [k for k in ("optimizer", "betas", "momentum", "neftune_alpha", "snapshot_steps", "report_to")
                        if getattr(t, k) != (d[k].default_factory() if d[k].default_factory else d[k].default)]
             if changed or t.lr_scheduler == "wsd":
                 raise ValueError(f"train.stage grpo runs TRL's GRPOTrainer with its AdamW and schedules; "

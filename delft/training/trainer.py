@@ -82,6 +82,11 @@ class Trainer:
 
         self.tracker = Tracker.from_recipe(s.recipe)  # early stopping / keep_best; None when neither is set
         self.stopped_at: Optional[int] = None
+        self.reporters = None  # delft.training.tracking.Reporters once the run directory is open (train.report_to)
+        if t.report_to:
+            from delft.training.tracking import check_backends
+
+            check_backends(t.report_to)
         if t.accuracy_steps:
             from delft.training.heldout import HeldOut
 
@@ -112,6 +117,11 @@ class Trainer:
             earlier = rundir.read_info(self.run_dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
         write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
+        if self.recipe.train.report_to:
+            from delft.training.tracking import Reporters
+
+            self.reporters = Reporters(self.recipe.train.report_to, self.run_dir, self.recipe.to_dict(),
+                                       self.run_dir.name)
         s = self.s
         rundir.write_info(self.run_dir, {
             "status": rundir.RUNNING, "base_model": s.model_ref.portable_name(), "base_model_path": s.model_ref.path,
@@ -188,6 +198,8 @@ class Trainer:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.reporters is not None:
+            self.reporters.log(row)
 
     def log(self, out: dict, grad_norm: float, tokens_per_s: float, stats: str) -> None:
         row = {"step": self.step, "loss": out["loss"], "ce": out["ce"], "term": out["term"],
@@ -367,6 +379,8 @@ class Trainer:
         tmp.rmdir()
         if self.metrics_path.is_file():
             plot_losses(self.metrics_path, run_dir / rundir.LOSS_CURVE, self.recipe.loss.type)
+        if self.reporters is not None:
+            self.reporters.close(run_dir / rundir.LOSS_CURVE)
         info = self.tracker.summary(self.stopped_at) if self.tracker is not None and self.tracker.best_step else {}
         if info and self.recipe.train.keep_best:
             info["best"]["written"] = best is not None  # False: best/ was lost (a shortened resume); the last is
