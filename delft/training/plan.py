@@ -204,8 +204,10 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     if recipe.train.finetuning == "full":
         return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
-    lora_params = L * sum(lo.r * (a + b) for k, (a, b) in lin.items() if k in _lora_targets(lo.target_modules))
-    return weights_nf4, weights_16, lora_params * (LORA_BYTES - 8 + _state_bytes(recipe))
+    targets = _lora_targets(lo.target_modules)
+    lora_params = L * sum(lo.r * (a + b) + (b if lo.use_dora else 0) for k, (a, b) in lin.items() if k in targets)
+    saved = sum(V * H for m in lo.modules_to_save if m in ("embed_tokens", "lm_head"))  # full trainable copies
+    return weights_nf4, weights_16, lora_params * (LORA_BYTES - 8 + _state_bytes(recipe)) + saved * 4 * d
 
 
 def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
@@ -225,6 +227,8 @@ def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, floa
         layer_backward = tokens * layer_tok * 0.5
     if planned_nf4(recipe):
         layer_backward += dequantised_copy(lin, d)
+    if lo.use_dora and t.finetuning == "lora":  # DoRA's weight norm materialises W + BA of a layer in fp32
+        layer_backward += max(a * b for a, b in lin.values()) * 4
     return activations, layer_backward
 
 

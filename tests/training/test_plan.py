@@ -266,3 +266,15 @@ def test_plan_of_a_scratch_model_reads_its_architecture(tmp_path):
     res = run_cli("recipe", "check", path, "--plan")
     assert res.exit_code == 0, res.output
     assert "from scratch" in res.output and "vocab 100" in res.output
+
+
+def test_dora_modules_to_save_and_the_optimizers_change_the_plan():
+    cfg = QWEN2["1.5b"]
+    base = plan_memory(cfg, recipe())
+    dora = plan_memory(cfg, recipe(lora={"use_dora": True, "dropout": 0.0}))
+    assert dora["layer_backward"] > base["layer_backward"] and dora["lora_optimizer"] > base["lora_optimizer"]
+    saved = plan_memory(cfg, recipe(lora={"modules_to_save": ["lm_head"], "dropout": 0.0}))
+    assert saved["lora_optimizer"] - base["lora_optimizer"] == pytest.approx(151936 * 1536 * 4 * 2)
+    sgd = plan_memory(cfg, recipe(train={"optimizer": "sgd", "fused_loss": "off"}))
+    eight = plan_memory(cfg, recipe(train={"optimizer": "paged_adamw_8bit", "fused_loss": "off"}))
+    assert sgd["lora_optimizer"] < eight["lora_optimizer"] < base["lora_optimizer"]
