@@ -131,3 +131,31 @@ def test_flips_count_changed_verdicts_against_the_same_seed_and_between_referenc
     assert rows == [{"set": "s", "reference": "ce", "n": 4, "arms": {"del": {0: 1, 1: 0}},
                      "reference_seed_pairs": {"0-1": 2}}]
     assert "| s (n=4) | del vs ce | 1, 0 | 2 (0-1) |" in flip_lines(rows)
+
+
+def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
+    from delft.experiments.scale import main, parameters
+
+    arch = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": None, "intermediate_size": 384,
+            "context": 48, "tie_embeddings": True}
+    assert parameters({"settings": {"recipe": {"model": {"architecture": arch}}}}) == 865_920  # as torch counts
+
+    def study(name, prefix, hidden, diff):
+        row = {"set": "held_out", "recipe": f"{prefix}del_prob", "metric": "exact_match", "seeds": [0, 1],
+               "hierarchical": {"difference": diff, "ci": [diff - 0.02, diff + 0.02], "p": 0.2}, "holm_p": 0.4,
+               "seed_level": {"per_seed": [diff - 0.01, diff + 0.01], "ci": None}}
+        other = {**row, "recipe": f"{prefix}del"}
+        d = tmp_path / name
+        d.mkdir()
+        report = {"settings": {"recipe": {"model": {"architecture": {**arch, "hidden_size": hidden}}}},
+                  "seed_level": [row, other]}
+        (d / "study.json").write_text(json.dumps(report))
+        return d
+
+    dirs = [study("large", "large_", 256, 0.01), study("mid", "", 128, 0.03)]
+    main([*map(str, dirs), "--recipe", "del_prob", "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "scale.json").read_text())
+    assert [r["parameters"] for r in rows] == sorted(r["parameters"] for r in rows) and len(rows) == 2
+    assert [round(r["difference"], 2) for r in rows] == [0.03, 0.01]
+    assert "| held_out | exact_match | 865,920 | 2 | +3.0 [+1.0, +5.0] |" in (tmp_path / "out" / "summary.md").read_text()
+    assert (tmp_path / "out" / "difference_by_size.png").stat().st_size > 1000
