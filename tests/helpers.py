@@ -263,3 +263,20 @@ def varied_reward(completions, **kwargs):
     """A TRL reward function for tiny random-init models, which are never right: distinct characters, so rewards
     vary within a group and GRPO has advantages to learn from (grpo.reward_functions: ['helpers:varied_reward'])."""
     return [float(len(set(str(c)))) for c in completions]
+
+
+def interrupt_on_step(monkeypatch, n: int):
+    """Make the trainer's n-th optimizer step raise KeyboardInterrupt (Ctrl-C inside a step); returns a function
+    that puts the real step back, for the resume."""
+    import delft.training.trainer as train_mod
+
+    real, calls = train_mod.optimizer_step, {"n": 0}
+
+    def interrupting(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "optimizer_step", interrupting)
+    return lambda: monkeypatch.setattr(train_mod, "optimizer_step", real)

@@ -59,11 +59,10 @@ def full_run(tmp_path_factory):
 def test_full_finetuning_of_real_smollm2_changes_every_weight_resumes_exactly_and_two_processes_equal_one(
         full_run, tmp_path, monkeypatch):
     import torch
-    from helpers import run_cli
+    from helpers import interrupt_on_step, run_cli
     from transformers import AutoModelForCausalLM
     from training.test_distributed import finished, torchrun
 
-    import delft.training.trainer as train_mod
     from delft.models.sources import ensure_smollm2
     from delft.recipe import load_recipe
     from delft.training.trainer import run_training
@@ -83,19 +82,11 @@ def test_full_finetuning_of_real_smollm2_changes_every_weight_resumes_exactly_an
     for k, v in _weights(tmp_path / "two").items():  # to float32 rounding: Adam's normalised step magnifies the
         torch.testing.assert_close(v, tuned[k], rtol=1e-4, atol=1e-5)  # summation-order noise of tiny gradients
 
-    real, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_third(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
     resumed = load_recipe(QUICKSTART, [*FULL, "train.grad_accum=2", f"output.dir={tmp_path / 'resumed'}"])
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_third)
+    restore = interrupt_on_step(monkeypatch, 3)
     with pytest.raises(SystemExit):
         run_training(resumed)
-    monkeypatch.setattr(train_mod, "optimizer_step", real)
+    restore()
     run_training(resumed)
     for k, v in _weights(tmp_path / "resumed").items():
         torch.testing.assert_close(v, tuned[k], rtol=1e-5, atol=1e-7)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import signal
 import sys
 import tempfile
 from dataclasses import dataclass

@@ -16,7 +16,7 @@ this Trainer instead: the term a mean per micro-batch, x accumulation steps x pr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from delft.models.loading import last_hidden_states  # noqa: F401  (re-exported: integrations.trl uses it)
 

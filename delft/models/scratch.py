@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import string
-from pathlib import Path
 
 from delft.models.sources import ModelRef, cache_dir, resolve_model
 from delft.outputs import follow_umask, staged

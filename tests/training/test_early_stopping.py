@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file, write_yaml
+from helpers import adapter_weights, interrupt_on_step, recipe_file, write_yaml
 
 import delft.training.trainer as train_mod
 from delft.errors import UserError
@@ -68,18 +68,10 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(tmp_path, tiny_mode
     straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight", train=TRACKED)))
     path = recipe_file(tmp_path, tiny_model_dir, name="resumed", train=TRACKED)
     scripted(monkeypatch)
-    real, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_fifth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fifth)
+    restore = interrupt_on_step(monkeypatch, 5)
     with pytest.raises(SystemExit):
         run_training(load_recipe(path))
-    monkeypatch.setattr(train_mod, "optimizer_step", real)
+    restore()
     scripted(monkeypatch, SCRIPT[4:])  # the resumed run validates from step 5 on (its checkpoint is step 4)
     run_training(load_recipe(path))
     a, b = read_info(straight), read_info(tmp_path / "resumed")

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import recipe_file, run_cli, write_yaml
+from helpers import interrupt_on_step, recipe_file, run_cli, write_yaml
 from rich.console import Console
 from safetensors.torch import load_file
 
-import delft.training.trainer as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.rundir import is_finished_run, latest_checkpoint, read_info, snapshot_path
@@ -52,20 +51,12 @@ def test_full_finetuning_changes_every_weight_and_saves_a_model(tmp_path, tiny_m
 def test_full_finetuning_resume_equals_uninterrupted(tmp_path, tiny_model_dir, monkeypatch):
     straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight", train=FULL)))
     path = recipe_file(tmp_path, tiny_model_dir, name="resumed", train=FULL)
-    real_step, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_fifth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fifth)
+    restore = interrupt_on_step(monkeypatch, 5)
     with pytest.raises(SystemExit):
         run_training(load_recipe(path))
     ckpt = latest_checkpoint(tmp_path / "resumed")
     assert ckpt.name == "step-000004" and (ckpt / "model.safetensors").is_file()
-    monkeypatch.setattr(train_mod, "optimizer_step", real_step)
+    restore()
     run_training(load_recipe(path))
     a, b = model_weights(straight), model_weights(tmp_path / "resumed")
     for k in a:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import recipe_file, run_cli
+from helpers import interrupt_on_step, recipe_file, run_cli
 
 from delft.recipe import load_recipe
 from delft.training.trainer import run_training
@@ -53,21 +53,12 @@ def test_a_mutating_init_saves_an_adapter_for_the_original_base(tmp_path, tiny_m
     from rich.console import Console
     from safetensors.torch import load_file
 
-    import delft.training.trainer as train_mod
     from delft.rundir import checkpoint_path, snapshot_path
     from delft.training.setup import build_model, setup
 
     path = recipe_file(tmp_path, tiny_model_dir, lora={"dropout": 0.0, "init": init, "r": 4},
                        train={"save_steps": 3, "snapshot_steps": [3]})
-    real, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_fourth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fourth)
+    restore = interrupt_on_step(monkeypatch, 4)
     with pytest.raises(SystemExit):
         run_training(load_recipe(path))
     run = tmp_path / "run"
@@ -83,7 +74,7 @@ def test_a_mutating_init_saves_an_adapter_for_the_original_base(tmp_path, tiny_m
     torch.testing.assert_close(after, trained, atol=1e-4, rtol=1e-4)
     assert (after - before).abs().max() > 1e-3
 
-    monkeypatch.setattr(train_mod, "optimizer_step", real)
+    restore()
     run_training(load_recipe(path))  # resumes, finishes, converts the final adapter
     assert not (run / "initial_adapter").exists()  # only needed while training
     config = json.loads((run / "adapter_config.json").read_text())

@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file, run_cli, write_yaml
+from helpers import adapter_weights, interrupt_on_step, recipe_file, run_cli, write_yaml
 
-import delft.training.trainer as train_mod
 from delft.errors import UserError
 from delft.recipe import load_recipe
 from delft.training.trainer import run_training
@@ -99,18 +98,10 @@ def test_a_neftune_run_resumes_exactly(tmp_path, tiny_model_dir, monkeypatch):
     straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight", train=train)))
     plain = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="plain")))
     path = recipe_file(tmp_path, tiny_model_dir, name="resumed", train=train)
-    real, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_fifth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fifth)
+    restore = interrupt_on_step(monkeypatch, 5)
     with pytest.raises(SystemExit):
         run_training(load_recipe(path))
-    monkeypatch.setattr(train_mod, "optimizer_step", real)
+    restore()
     run_training(load_recipe(path))
     a, b, c = adapter_weights(straight), adapter_weights(tmp_path / "resumed"), adapter_weights(plain)
     for k in a:
