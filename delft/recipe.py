@@ -220,6 +220,14 @@ class DataConfig(Section):
         return self
 
 
+class EarlyStoppingConfig(Section):
+    metric: Literal["val_loss", "heldout_accuracy"] = Field(
+        "val_loss", description="What is watched: the validation loss (every train.eval_steps; lower is better) or "
+        "the held-out exact match (every train.accuracy_steps; higher is better).")
+    patience: int = Field(3, gt=0, description="Stop after this many measurements in a row without an improvement.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the best by more than this.")
+
+
 class TrainConfig(Section):
     stage: Literal["sft", "grpo"] = Field(
         "sft", description="sft: supervised fine-tuning on the completions; grpo: reinforcement learning from "
@@ -301,14 +309,6 @@ class TrainConfig(Section):
         if any(s <= 0 for s in steps):
             raise ValueError("snapshot steps are optimizer steps, 1 or more")
         return sorted(set(steps))
-
-
-class EarlyStoppingConfig(Section):
-    metric: Literal["val_loss", "heldout_accuracy"] = Field(
-        "val_loss", description="What is watched: the validation loss (every train.eval_steps; lower is better) or "
-        "the held-out exact match (every train.accuracy_steps; higher is better).")
-    patience: int = Field(3, gt=0, description="Stop after this many measurements in a row without an improvement.")
-    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the best by more than this.")
 
 
 class GrpoConfig(Section):

@@ -171,6 +171,7 @@ def test_the_recipe_keys_page_is_generated_from_the_schema():
     page = (REPO / "docs" / "recipe_keys.md").read_text()
     assert page == reference_markdown(), "docs/recipe_keys.md is stale: run `delft recipe keys > docs/recipe_keys.md`"
     for key in flat_keys(Recipe().to_dict()):
-        if not key.startswith(("eval.data", "model.architecture")):  # sections unset by default
+        if not key.startswith(("eval.data", "model.architecture", "train.early_stopping")):  # unset sections
             assert f"`{key}`" in page, key
     assert "`model.architecture.hidden_size`" in page and "### eval.data" in page
+    assert "`train.early_stopping.patience`" in page

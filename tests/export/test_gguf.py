@@ -423,7 +423,7 @@ def test_a_killed_delft_leaves_no_child_and_no_half_written_file(tmp_path):
     assert sleepers(), "the child never started"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    end = time.monotonic() + 20
+    end = time.monotonic() + 60  # the guardian is a fresh Python process: slow to act on a loaded machine
     while (sleepers() or owned.exists()) and time.monotonic() < end:
         time.sleep(0.2)
     left = sleepers()
