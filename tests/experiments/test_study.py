@@ -83,7 +83,7 @@ def test_the_scratch_studies_say_in_advance_what_would_answer_them(path, tmp_pat
     for r in by.values():  # the scale studies change only the model's size
         assert r.data == same.data and r.train == same.train and r.model.tokenizer == same.model.tokenizer
     if path.name == "scratch.study.yaml":
-        assert study.controls() == ["ntl_was"] and len(study.seeds) == 4 and set(by) == {"ce", "del_prob", "del",
+        assert study.controls() == ["ntl_was"] and len(study.seeds) == 3 and set(by) == {"ce", "del_prob", "del",
                                                                                           "ntl_was"}
 
 
