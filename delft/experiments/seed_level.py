@@ -32,11 +32,19 @@ def seed_analysis(report: dict) -> list[dict]:
             a, b = [scores[ref][s] for s in seeds], [by_seed[s] for s in seeds]
             h, t = hierarchical_difference(a, b, RESAMPLES), seed_level_difference(a, b)
             rows.append({"set": key, "recipe": name, "reference": ref, "metric": "exact_match", "seeds": seeds,
-                         "hierarchical": h, "seed_level": t})
+                         "hierarchical": h, "seed_level": t, "levels": _levels(a, b)})
     rows += _curve_rows(report.get("curves") or {})
     for row, adjusted in zip(rows, holm([r["hierarchical"]["p"] for r in rows])):
         row["holm_p"] = adjusted
     return rows
+
+
+def _levels(ref: list, arm: list) -> dict:
+    """The two sides' mean scores over seeds and problems (a floor at 0 makes a comparison blind)."""
+    def mean(rows):
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+
+    return {"reference": mean(ref), "recipe": mean(arm)}
 
 
 def _curve_rows(curves: dict) -> list[dict]:
@@ -52,7 +60,7 @@ def _curve_rows(curves: dict) -> list[dict]:
             a, b = [by_seed[ref][s] for s in seeds], [scores[s] for s in seeds]
             rows.append({"set": key, "recipe": name, "reference": ref, "metric": "exact_match_auc", "seeds": seeds,
                          "hierarchical": hierarchical_difference(a, b, RESAMPLES), "seed_level":
-                         seed_level_difference(a, b)})
+                         seed_level_difference(a, b), "levels": _levels(a, b)})
     return rows
 
 
@@ -63,7 +71,8 @@ def verdicts(rows: list[dict], controls: list[str], margin_points: float) -> dic
     """The study's reading, by the rules its file states: whether each control moved (Holm p < ALPHA on some row),
     and for every other (set, metric, recipe): confirmed (at least ``margin`` better on every seed and Holm
     p < ALPHA), refuted (the t interval over seeds within +-margin, or below 0, while a control moved), not
-    readable (there are controls and none moved: the design cannot see an effect), or inconclusive."""
+    readable (there are controls and none moved, or both sides score 0 everywhere: the design cannot see an
+    effect), or inconclusive."""
     margin = margin_points / 100
     moved = {c: [r for r in rows if r["recipe"] == c and r["holm_p"] < ALPHA] for c in controls}
     any_moved = any(moved.values())
@@ -71,11 +80,11 @@ def verdicts(rows: list[dict], controls: list[str], margin_points: float) -> dic
     for r in rows:
         if r["recipe"] in controls:
             continue
-        t = r["seed_level"]
+        t, levels = r["seed_level"], r.get("levels") or {}
         if all(d >= margin for d in t["per_seed"]) and r["holm_p"] < ALPHA:
             verdict = "confirmed"
-        elif controls and not any_moved:
-            verdict = "not readable"
+        elif (controls and not any_moved) or (levels and max(levels.values()) == 0):
+            verdict = "not readable"  # no control moved, or neither side answers a single problem (a floor)
         elif t["ci"] is not None and (t["ci"][1] < 0 or (-margin < t["ci"][0] and t["ci"][1] < margin)) \
                 and (any_moved or not controls):
             verdict = "refuted"
@@ -95,7 +104,8 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
     lines = ["## Verdicts", "", f"By the rules the study file states: margin {v['margin_points']:g} points, Holm "
              f"p < {v['alpha']:g}. Confirmed: at least the margin better on every seed and Holm p below the level. "
              "Refuted: the t interval over seeds inside +-margin or below 0, while a control moved. Not readable: "
-             "no control moved, so the design could not have seen a digit-loss effect.", ""]
+             "no control moved, or no model answers a single problem (a floor), so the design could not have seen "
+             "a digit-loss effect.", ""]
     for control, rows in v["controls"].items():
         if rows:
             where = "; ".join(f"{r['set']} {r['metric']} {100 * r['difference']:+.1f} points (Holm p "

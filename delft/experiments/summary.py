@@ -4,6 +4,8 @@ difference each comparison can detect), then every set's full tables.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import Optional
 
 from delft.outputs import pct
@@ -142,3 +144,27 @@ def study_summary(report: dict) -> str:
         else:
             lines += markdown_set(key, sec, sec["settings"]["reference"])
     return "\n".join(lines)
+
+
+def rewrite(out: Path) -> None:
+    """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code,
+    and write study.json and summary.md again (whole or not at all): ``python -m delft.experiments.summary OUT``."""
+    import json
+
+    from delft.experiments.seed_level import flips, seed_analysis, verdicts
+    from delft.outputs import write_atomic
+
+    report = json.loads((Path(out) / "study.json").read_text())
+    settings = report["settings"]
+    report["seed_level"] = seed_analysis(report)
+    report["verdicts"] = verdicts(report["seed_level"], settings.get("controls") or [], settings.get("margin", 3.0))
+    report["flips"] = flips(report)
+    write_atomic(Path(out) / "study.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(Path(out) / "summary.md", study_summary(report))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        rewrite(Path(arg))

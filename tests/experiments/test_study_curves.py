@@ -118,6 +118,13 @@ def test_verdicts_follow_the_stated_rules(arm, control, expected):
     assert bool(v["controls"]["ntl"]) == (control["holm_p"] < 0.05)
 
 
+def test_a_floor_is_not_read_as_no_effect():
+    """Both sides at 0 % everywhere: the interval is [0, 0], inside the margin, but nothing could have moved."""
+    floor = {**_row("del", [0.0, 0.0], [0.0, 0.0], 1.0), "levels": {"reference": 0.0, "recipe": 0.0}}
+    level = {**_row("del", [0.0, 0.01], [-0.01, 0.02], 0.9), "levels": {"reference": 0.3, "recipe": 0.31}}
+    assert [a["verdict"] for a in verdicts([floor, level], [], 3.0)["arms"]] == ["not readable", "refuted"]
+
+
 def test_flips_count_changed_verdicts_against_the_same_seed_and_between_reference_seeds():
     from delft.experiments.seed_level import flip_lines, flips
 
