@@ -77,13 +77,13 @@ def curve_of(points: dict[int, dict], final: dict, total_steps: int) -> dict:
 
 
 def study_curves(curve: Sequence[int], greedy_sets: Sequence[str], sections: dict, runs: dict, total_steps: int,
-                 evaluate: Callable[[str, dict], dict]) -> dict:
-    """Every greedy set evaluated at every curve step (``evaluate(key, runs_at_step)`` returns the set's section);
-    the curves by set, with the compact per-step results (exact flags only: the predictions stay in the final
+                 evaluate: Callable[[str, int, dict], dict]) -> dict:
+    """Every greedy set evaluated at every curve step (``evaluate(key, step, runs_at_step)`` returns the set's
+    section): the curves by set, exact match per step and each problem's area (the predictions stay in the final
     sections)."""
     out = {}
     for key in greedy_sets:
-        points = {step: evaluate(key, runs_at(runs, step)) for step in curve}
+        points = {step: evaluate(key, step, runs_at(runs, step)) for step in curve}
         out[key] = curve_of(points, sections[key], total_steps)
     return out
 

@@ -14,14 +14,12 @@ from typing import Sequence
 
 
 def parameters(report: dict) -> int:
-    """The parameter count of the study's model (a scratch architecture, from its recipe)."""
-    a = report["settings"]["recipe"]["model"]["architecture"]
-    from delft.models.scratch import CHAR_VOCAB_SIZE
+    """The parameter count of the study's model (a scratch architecture, from its recipe), as --plan counts it."""
+    from delft.recipe import validate_recipe
+    from delft.training.plan import model_shape, parameter_counts, scratch_config
 
-    h, i, layers = a["hidden_size"], a["intermediate_size"], a["layers"]
-    kv = (a["kv_heads"] or a["heads"]) * (h // a["heads"])
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return layers * per_layer + CHAR_VOCAB_SIZE * h * (1 if a["tie_embeddings"] else 2) + h
+    config, _ = scratch_config(validate_recipe(report["settings"]["recipe"]))
+    return sum(parameter_counts(model_shape(config)))
 
 
 def scale_rows(study_dirs: Sequence[Path], recipe: str) -> list[dict]:

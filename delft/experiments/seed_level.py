@@ -14,6 +14,12 @@ from delft.evaluation.metrics import hierarchical_difference, holm, seed_level_d
 RESAMPLES = 2000
 
 
+def analyse(report: dict, controls: list[str], margin_points: float) -> dict:
+    """The report's seed-level rows, verdicts and flipped answers (what study.json keeps beside the sections)."""
+    rows = seed_analysis(report)
+    return {"seed_level": rows, "verdicts": verdicts(rows, controls, margin_points), "flips": flips(report)}
+
+
 def seed_analysis(report: dict) -> list[dict]:
     """One row per (greedy set, recipe other than the reference): difference, intervals, p and Holm's p."""
     rows = []

@@ -441,9 +441,8 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
     if not study.curve:
         return {}
 
-    def evaluate(key: str, runs_at_step: dict) -> dict:
-        step = Path(next(iter(runs_at_step.values()))).name
-        return _greedy_set(f"{key} at {step}", sets[key], study.evals[key], cfg0, base, contenders, study.seeds,
+    def evaluate(key: str, step: int, runs_at_step: dict) -> dict:
+        return _greedy_set(f"{key} at step {step}", sets[key], study.evals[key], cfg0, base, contenders, study.seeds,
                            runs_at_step, console, tables, loaded[key])[0]
 
     greedy = [k for k, spec in study.evals.items() if spec.mode == "greedy"]
@@ -454,7 +453,7 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
 def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
             sections: dict, curves: dict, seconds: dict) -> dict:
     from delft.experiments.compare import json_ready
-    from delft.experiments.seed_level import flips, seed_analysis, verdicts
+    from delft.experiments.seed_level import analyse
 
     report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
@@ -468,9 +467,7 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
         "curves": curves,
     })
     report["plots"] = {key: str(Path(study.out) / f"{key}.png") for key in sections}
-    report["seed_level"] = seed_analysis(report)
-    report["verdicts"] = verdicts(report["seed_level"], study.controls(), study.margin)
-    report["flips"] = flips(report)
+    report.update(analyse(report, study.controls(), study.margin))
     return report
 
 

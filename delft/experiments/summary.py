@@ -151,14 +151,12 @@ def rewrite(out: Path) -> None:
     and write study.json and summary.md again (whole or not at all): ``python -m delft.experiments.summary OUT``."""
     import json
 
-    from delft.experiments.seed_level import flips, seed_analysis, verdicts
+    from delft.experiments.seed_level import analyse
     from delft.outputs import write_atomic
 
     report = json.loads((Path(out) / "study.json").read_text())
     settings = report["settings"]
-    report["seed_level"] = seed_analysis(report)
-    report["verdicts"] = verdicts(report["seed_level"], settings.get("controls") or [], settings.get("margin", 3.0))
-    report["flips"] = flips(report)
+    report.update(analyse(report, settings.get("controls") or [], settings.get("margin", 3.0)))
     write_atomic(Path(out) / "study.json", json.dumps(report, indent=1) + "\n")
     write_atomic(Path(out) / "summary.md", study_summary(report))
 

@@ -161,10 +161,7 @@ def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool 
 
     if kbit_upcast:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.config.use_cache = False
+    _prepare_for_training(model, gradient_checkpointing, input_grads=True)
     config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                         target_modules=lora_cfg.target_modules, task_type="CAUSAL_LM", use_dora=lora_cfg.use_dora,
                         use_rslora=lora_cfg.use_rslora, modules_to_save=lora_cfg.modules_to_save or None,
@@ -176,11 +173,20 @@ def apply_lora(model, lora_cfg, gradient_checkpointing: bool, kbit_upcast: bool 
                         "Use 'all-linear' or names of linear modules in this model.") from None
 
 
-def make_trainable(model, gradient_checkpointing: bool):
-    """Every weight trainable (train.finetuning: full); checkpointing as for LoRA."""
+def _prepare_for_training(model, gradient_checkpointing: bool, input_grads: bool) -> None:
+    """Gradient checkpointing (non-reentrant) and no KV cache. ``input_grads`` for a frozen base under an adapter:
+    without gradients at the embedding output, checkpointing + LoRA silently trains nothing."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if input_grads:
+            model.enable_input_require_grads()
     model.config.use_cache = False
+
+
+def make_trainable(model, gradient_checkpointing: bool):
+    """Every weight trainable (train.finetuning: full); checkpointing as for LoRA (the embeddings train, so the
+    checkpointed layers get input gradients without help)."""
+    _prepare_for_training(model, gradient_checkpointing, input_grads=False)
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -202,10 +208,7 @@ def continue_lora(model, adapter: str, gradient_checkpointing: bool, base: str):
         raise UserError(f"model.adapter {adapter} holds a merged model, not a LoRA adapter", "model.adapter",
                         "Give a run directory with adapter_config.json (or set model.name to the merged model).")
     check_adapter_matches(path, base, model.config, "model.adapter")
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.config.use_cache = False
+    _prepare_for_training(model, gradient_checkpointing, input_grads=True)
     return PeftModel.from_pretrained(model, str(path), is_trainable=True)
 
 

@@ -186,6 +186,19 @@ def _optimizer_bytes_per_param(recipe) -> float:
     return _dtype_bytes(recipe.model.dtype) + _state_bytes(recipe)
 
 
+def parameter_counts(s: dict) -> tuple[int, int]:
+    """(parameters in the linear projections, all the others: embeddings, output layer, norms, qkv biases) of a
+    ``model_shape``."""
+    H, L, V = s["hidden"], s["layers"], s["vocab"]
+    lin = _linears(s)
+    mlp = sum(a * b for k, (a, b) in lin.items() if k.endswith(("gate_proj", "up_proj", "down_proj")))
+    linear_params = L * (sum(a * b for a, b in lin.values()) + (s["experts"] - 1) * mlp)
+    other_params = V * H * (1 if s["tied"] else 2) + L * 2 * H + H
+    if s["qkv_bias"]:
+        other_params += L * (lin["q_proj"][1] + 2 * lin["k_proj"][1])
+    return linear_params, other_params
+
+
 def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     """(nf4 weights, 16-bit or fp32 weights, the trained state in bytes: LoRA weights + gradients + AdamW states,
     or, fully fine-tuned, every weight's gradient + AdamW states)."""
@@ -195,11 +208,7 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     nf4 = planned_nf4(recipe)
     small = 4 if nf4 and q.kbit_upcast else d  # prepare_model_for_kbit_training casts non-quantised weights to fp32
     lin = _linears(s)
-    mlp = sum(a * b for k, (a, b) in lin.items() if k.endswith(("gate_proj", "up_proj", "down_proj")))
-    linear_params = L * (sum(a * b for a, b in lin.values()) + (s["experts"] - 1) * mlp)
-    other_params = V * H * (1 if s["tied"] else 2) + L * 2 * H + H
-    if s["qkv_bias"]:
-        other_params += L * (lin["q_proj"][1] + 2 * lin["k_proj"][1])
+    linear_params, other_params = parameter_counts(s)
     weights_nf4 = linear_params * (NF4_BYTES if q.double_quant else NF4_BYTES_NO_DQ) if nf4 else 0
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     if recipe.train.finetuning == "full":

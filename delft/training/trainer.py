@@ -26,7 +26,7 @@ from delft.errors import UserError
 from delft.outputs import follow_umask, staged, write_atomic
 from delft.recipe import Recipe, dump_recipe
 from delft.training import distributed as dist
-from delft.training.best import BEST_DIR, BEST_INFO
+from delft.training.best import BEST_DIR, BEST_INFO, Tracker
 from delft.training.checkpoints import (
     adapter_bytes,
     check_free_space,
@@ -78,8 +78,6 @@ class Trainer:
 
         mutating = t.finetuning == "lora" and not s.recipe.model.adapter and s.recipe.lora.init in MUTATING_INITS
         self.initial_adapter = run_dir / INITIAL_ADAPTER if mutating else None
-        from delft.training.best import Tracker
-
         self.tracker = Tracker.from_recipe(s.recipe)  # early stopping / keep_best; None when neither is set
         self.stopped_at: Optional[int] = None
         self.reporters = None  # delft.training.tracking.Reporters once the run directory is open (train.report_to)
@@ -305,18 +303,12 @@ class Trainer:
 
     def save_best(self) -> None:
         """The best step's model (or adapter) in best/, replacing the earlier best, with its step."""
-        from delft.training.best import BEST_DIR, BEST_INFO
-
-        with staged(self.run_dir / BEST_DIR) as tmp, no_space_is_a_user_error(tmp, "best model"):
-            self.save_model(tmp)
-            (tmp / BEST_INFO).write_text(json.dumps({"step": self.step, "metric": self.tracker.metric,
-                                                     "value": self.tracker.best}))
-            follow_umask(tmp)
+        info = {"step": self.step, "metric": self.tracker.metric, "value": self.tracker.best}
+        self.write_model_dir(self.run_dir / BEST_DIR, "best model",
+                             lambda tmp: (tmp / BEST_INFO).write_text(json.dumps(info)))
 
     def best_dir(self) -> Optional[Path]:
         """best/ when keep_best wrote it for the step the tracker holds as best (else None: the last model is used)."""
-        from delft.training.best import BEST_DIR, BEST_INFO
-
         path = self.run_dir / BEST_DIR
         if not self.recipe.train.keep_best or not (path / BEST_INFO).is_file():
             return None
@@ -335,11 +327,16 @@ class Trainer:
         path = rundir.snapshot_path(self.run_dir, self.step)
         if not dist.is_main() or path.is_dir():  # a resumed run keeps the one it wrote before
             return
+        self.write_model_dir(path, "snapshot", self.s.tokenizer.save_pretrained)
+
+    def write_model_dir(self, path: Path, what: str, also) -> None:
+        """The model (or adapter) as ``save_model`` writes it, plus what ``also(tmp)`` adds, into ``path`` whole
+        (staged; the free space checked first)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        check_free_space(path.parent, adapter_bytes(self.model) + 2**24, "snapshot")
-        with staged(path) as tmp, no_space_is_a_user_error(tmp, "snapshot"):
+        check_free_space(path.parent, adapter_bytes(self.model) + 2**24, what)
+        with staged(path) as tmp, no_space_is_a_user_error(tmp, what):
             self.save_model(tmp)
-            self.s.tokenizer.save_pretrained(tmp)
+            also(tmp)
             follow_umask(tmp)
 
     def save_interrupted(self, resume_command: str) -> None:
