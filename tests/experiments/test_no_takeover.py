@@ -4,9 +4,8 @@ earlier results in ``out`` (without --force), a run directory as ``out``; repeat
 import json
 
 import pytest
-from helpers import run_cli, write_arms, write_yaml
+from helpers import interrupt_on_step, run_cli, write_arms, write_yaml
 
-import delft.training.trainer as train_mod
 from delft.rundir import LOSS_CURVE, checkpoints, read_info
 
 
@@ -23,19 +22,11 @@ def arms(tmp_path, tiny_model_dir):
 
 def interrupted_train(monkeypatch, recipe, at_call: int, *sets: str):
     """`delft train RECIPE --set ...` as a user runs it, Ctrl-C'd in its ``at_call``-th optimizer step."""
-    real, calls = train_mod.optimizer_step, {"n": 0}
-
-    def step(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", step)
+    restore = interrupt_on_step(monkeypatch, at_call)
     try:
         result = run_cli("train", recipe, *[x for s in sets for x in ("--set", s)])
     finally:
-        monkeypatch.setattr(train_mod, "optimizer_step", real)
+        restore()
     assert result.exit_code == 130, result.output
 
 

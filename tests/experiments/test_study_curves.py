@@ -145,7 +145,11 @@ def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
 
     arch = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": None, "intermediate_size": 384,
             "context": 48, "tie_embeddings": True}
-    assert parameters({"settings": {"recipe": {"model": {"architecture": arch}}}}) == 865_920  # as torch counts
+    def recipe(a):  # what a scratch study.json holds under settings.recipe (the parts that validate it)
+        return {"model": {"init": "scratch", "architecture": a}, "train": {"finetuning": "full"},
+                "data": {"max_length": 40}}
+
+    assert parameters({"settings": {"recipe": recipe(arch)}}) == 865_920  # as torch counts
 
     def study(name, prefix, hidden, diff):
         row = {"set": "held_out", "recipe": f"{prefix}del_prob", "metric": "exact_match", "seeds": [0, 1],
@@ -154,7 +158,7 @@ def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
         other = {**row, "recipe": f"{prefix}del"}
         d = tmp_path / name
         d.mkdir()
-        report = {"settings": {"recipe": {"model": {"architecture": {**arch, "hidden_size": hidden}}}},
+        report = {"settings": {"recipe": recipe({**arch, "hidden_size": hidden})},
                   "seed_level": [row, other]}
         (d / "study.json").write_text(json.dumps(report))
         return d

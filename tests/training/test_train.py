@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file
+from helpers import adapter_weights, interrupt_on_step, recipe_file
 
 import delft.training.trainer as train_mod
 from delft.errors import UserError
@@ -49,15 +49,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, mo
     straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight")))
 
     path = recipe_file(tmp_path, tiny_model_dir, name="resumed")
-    real_step, calls = train_mod.optimizer_step, {"n": 0}
-
-    def interrupt_on_fifth(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-
-    monkeypatch.setattr(train_mod, "optimizer_step", interrupt_on_fifth)
+    restore = interrupt_on_step(monkeypatch, 5)
     with pytest.raises(SystemExit) as e:
         run_training(load_recipe(path))
     assert e.value.code == 130
@@ -65,7 +57,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, mo
     assert latest_checkpoint(run_dir).name == "step-000004"
     assert json.loads((run_dir / "delft_run.json").read_text())["status"] == "interrupted"
 
-    monkeypatch.setattr(train_mod, "optimizer_step", real_step)
+    restore()
     run_training(load_recipe(path, ["train.loss_chunk_size=5"]))  # automatic resume; chunking changes no numbers
     a, b = adapter_weights(straight), adapter_weights(run_dir)
     assert a.keys() == b.keys()
