@@ -112,6 +112,9 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
              "Refuted: the t interval over seeds inside +-margin or below 0, while a control moved. Not readable: "
              "no control moved, or no model answers a single problem (a floor), so the design could not have seen "
              "a digit-loss effect.", ""]
+    if not v["controls"]:
+        lines[-2] += (" This study declares no control: its refutations rest on the interval alone, and nothing "
+                      "shows that the design could have seen an effect.")
     for control, rows in v["controls"].items():
         if rows:
             where = "; ".join(f"{r['set']} {r['metric']} {100 * r['difference']:+.1f} points (Holm p "
@@ -175,10 +178,12 @@ def seed_level_lines(rows: list[dict]) -> list[str]:
     def pts(x: float) -> str:
         return f"{100 * x:+.1f}"
 
+    auc = " (exact_match_auc: the area under its learning curve)" if any(
+        r["metric"] == "exact_match_auc" for r in rows) else ""
     lines = ["## With the seed as the unit", "",
-             f"Exact match (exact_match_auc: the area under its learning curve), recipe minus reference. Hierarchical: a bootstrap over seeds, then problems ({RESAMPLES} "
-             "resamples), its two-sided p-value and Holm's correction over every comparison here. Seeds: each seed's "
-             "difference and a t interval over them (wide with few seeds).", "",
+             f"Exact match{auc}, recipe minus reference. Hierarchical: a bootstrap over seeds, then problems "
+             f"({RESAMPLES} resamples), its two-sided p-value and Holm's correction over every comparison here. "
+             "Seeds: each seed's difference and a t interval over them (wide with few seeds).", "",
              "| set | metric | recipe | hierarchical [95 % CI] | p | Holm p | per seed | t interval over seeds |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

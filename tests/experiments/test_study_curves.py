@@ -9,7 +9,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.experiments.curves import curve_of, trapezoid
-from delft.experiments.seed_level import verdicts
+from delft.experiments.seed_level import verdict_lines, verdicts
 from delft.experiments.study import run_study
 
 DESCRIPTION = "Asks whether del_prob learns faster than CE. Confirmed: +3 points on every seed, Holm p < 0.05."
@@ -122,7 +122,11 @@ def test_a_floor_is_not_read_as_no_effect():
     """Both sides at 0 % everywhere: the interval is [0, 0], inside the margin, but nothing could have moved."""
     floor = {**_row("del", [0.0, 0.0], [0.0, 0.0], 1.0), "levels": {"reference": 0.0, "recipe": 0.0}}
     level = {**_row("del", [0.0, 0.01], [-0.01, 0.02], 0.9), "levels": {"reference": 0.3, "recipe": 0.31}}
-    assert [a["verdict"] for a in verdicts([floor, level], [], 3.0)["arms"]] == ["not readable", "refuted"]
+    v = verdicts([floor, level], [], 3.0)
+    assert [a["verdict"] for a in v["arms"]] == ["not readable", "refuted"]
+    assert "declares no control" in "\n".join(verdict_lines(v))  # an uncontrolled refutation says so
+    with_control = verdicts([level, _row("ntl", [0.1] * 2, [0.05, 0.15], 0.01)], ["ntl"], 3.0)
+    assert "declares no control" not in "\n".join(verdict_lines(with_control))
 
 
 def test_flips_count_changed_verdicts_against_the_same_seed_and_between_reference_seeds():
