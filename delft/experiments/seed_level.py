@@ -170,27 +170,67 @@ def flip_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+SEED_LEVEL_COLUMNS = ("set", "metric", "recipe", "hierarchical [95 % CI]", "p", "Holm p", "per seed",
+                      "t interval over seeds")
+
+
+def _pts(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def seed_level_cells(r: dict) -> list[str]:
+    """One row of :func:`seed_analysis` as the cells of SEED_LEVEL_COLUMNS (summary.md and tables.txt alike)."""
+    h, t = r["hierarchical"], r["seed_level"]
+    ci = f"[{_pts(t['ci'][0])}, {_pts(t['ci'][1])}]" if t["ci"] else "-"
+    return [r["set"], r["metric"], f"{r['recipe']} vs {r['reference']}",
+            f"{_pts(h['difference'])} [{_pts(h['ci'][0])}, {_pts(h['ci'][1])}]", f"{h['p']:.3f}",
+            f"{r['holm_p']:.3f}", ", ".join(_pts(d) for d in t["per_seed"]), ci]
+
+
 def seed_level_lines(rows: list[dict]) -> list[str]:
     """The summary's section on the rows of :func:`seed_analysis`."""
     if not rows:
         return []
-
-    def pts(x: float) -> str:
-        return f"{100 * x:+.1f}"
-
     auc = " (exact_match_auc: the area under its learning curve)" if any(
         r["metric"] == "exact_match_auc" for r in rows) else ""
     lines = ["## With the seed as the unit", "",
              f"Exact match{auc}, recipe minus reference. Hierarchical: a bootstrap over seeds, then problems "
              f"({RESAMPLES} resamples), its two-sided p-value and Holm's correction over every comparison here. "
              "Seeds: each seed's difference and a t interval over them (wide with few seeds).", "",
-             "| set | metric | recipe | hierarchical [95 % CI] | p | Holm p | per seed | t interval over seeds |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        h, t = r["hierarchical"], r["seed_level"]
-        ci = f"[{pts(t['ci'][0])}, {pts(t['ci'][1])}]" if t["ci"] else "-"
-        lines.append(f"| {r['set']} | {r['metric']} | {r['recipe']} vs {r['reference']} | {pts(h['difference'])} "
-                     f"[{pts(h['ci'][0])}, {pts(h['ci'][1])}] | {h['p']:.3f} | {r['holm_p']:.3f} | "
-                     f"{', '.join(pts(d) for d in t['per_seed'])} | {ci} |")
+             "| " + " | ".join(SEED_LEVEL_COLUMNS) + " |", "|" + "---|" * len(SEED_LEVEL_COLUMNS)]
+    lines += ["| " + " | ".join(seed_level_cells(r)) + " |" for r in rows]
     lines.append("")
     return lines
+
+
+TABLES_HEADING = "delft study, with the seed as the unit"  # marks the block in tables.txt that a rewrite replaces
+
+
+def analysis_renderables(report: dict) -> list:
+    """The seed-level rows and the verdicts as rich renderables: the terminal's and tables.txt's view of what
+    summary.md says in its sections on them."""
+    from rich.table import Table
+
+    rows = report.get("seed_level") or []
+    if not rows:
+        return []
+    table = Table(title=f"{TABLES_HEADING}: recipe minus reference, points (hierarchical bootstrap over seeds, "
+                        "then problems; Holm over every row)")
+    for column in SEED_LEVEL_COLUMNS:
+        table.add_column(column)
+    for r in rows:
+        table.add_row(*seed_level_cells(r))
+    verdict = [line.replace("**", "") for line in verdict_lines(report.get("verdicts"))[2:] if line]
+    return [table, *verdict, ""]
+
+
+def analysis_text(report: dict) -> str:
+    """:func:`analysis_renderables` as plain text, the way tables.txt records the terminal."""
+    import io
+
+    from rich.console import Console
+
+    text = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    for item in analysis_renderables(report):
+        text.print(item, highlight=False)
+    return text.export_text()

@@ -477,6 +477,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
     from delft.evaluation.command import check_runs
     from delft.experiments.compare import train_all
+    from delft.experiments.seed_level import analysis_renderables
     from delft.models.scratch import base_name
 
     console = console or Console()
@@ -498,6 +499,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     curves = _curves(study, sets, loaded, cfg0, base, contenders, runs, sections, console, tables)
     seconds = {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)}
     report = _report(study, path, command, base, cfg0, contenders, training, sections, curves, seconds)
+    for target in (console, tables):
+        for item in analysis_renderables(report):
+            target.print(item, highlight=False)
     _write_results(out, report, tables.export_text(), sections, study.seeds, f"{path}: out")
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
                   f"{len(sections)} plots in {out}")

@@ -148,17 +148,22 @@ def study_summary(report: dict) -> str:
 
 def rewrite(out: Path) -> None:
     """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code,
-    and write study.json and summary.md again (whole or not at all): ``python -m delft.experiments.summary OUT``."""
+    and write study.json, summary.md and tables.txt's block on them again (each whole or not at all): ``python -m delft.experiments.summary OUT``."""
     import json
 
-    from delft.experiments.seed_level import analyse
+    from delft.experiments.seed_level import TABLES_HEADING, analyse, analysis_text
     from delft.outputs import write_atomic
 
-    report = json.loads((Path(out) / "study.json").read_text())
+    out = Path(out)
+    report = json.loads((out / "study.json").read_text())
     settings = report["settings"]
     report.update(analyse(report, settings.get("controls") or [], settings.get("margin", 3.0)))
-    write_atomic(Path(out) / "study.json", json.dumps(report, indent=1) + "\n")
-    write_atomic(Path(out) / "summary.md", study_summary(report))
+    tables = (out / "tables.txt").read_text() if (out / "tables.txt").exists() else ""
+    if TABLES_HEADING in tables:  # an earlier analysis block: replaced, from the start of its title's line
+        tables = tables[:tables.rfind("\n", 0, tables.index(TABLES_HEADING)) + 1]
+    write_atomic(out / "study.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(out / "summary.md", study_summary(report))
+    write_atomic(out / "tables.txt", tables + analysis_text(report))
 
 
 if __name__ == "__main__":

@@ -52,13 +52,13 @@ def test_every_shipped_study_is_tested_here():
     assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | others
 
 
-def test_the_weight_sweep_is_the_arithmetic_study_at_three_del_prob_weights(tmp_path):
+def test_the_weight_sweep_is_the_arithmetic_study_at_four_del_prob_weights(tmp_path):
     path = REPO / "recipes" / "study" / "del_prob_weight.study.yaml"
     study = load_study(path)
     contenders = _contenders(study, path, [], tmp_path, quiet())
     by = {c.name: c.recipe for c in contenders}
     assert [(r.loss.type, r.loss.weight) for r in by.values()] == [("ce", 0.0), ("del_prob", 0.3), ("del_prob", 1.0),
-                                                                  ("del_prob", 3.0)]
+                                                                  ("del_prob", 3.0), ("del_prob", 10.0)]
     arithmetic = load_study(REPO / "recipes" / "study" / "arithmetic.study.yaml")
     ce = _contenders(arithmetic, REPO / "recipes" / "study" / "arithmetic.study.yaml", [], tmp_path, quiet())[0]
     assert by["ce"] == ce.recipe  # the same runs: the arithmetic study's ce and del_prob arms are reused
@@ -83,7 +83,7 @@ def test_the_scratch_studies_say_in_advance_what_would_answer_them(path, tmp_pat
     for r in by.values():  # the scale studies change only the model's size
         assert r.data == same.data and r.train == same.train and r.model.tokenizer == same.model.tokenizer
     if path.name == "scratch.study.yaml":
-        assert study.controls() == ["ntl_was"] and len(study.seeds) == 3 and set(by) == {"ce", "del_prob", "del",
+        assert study.controls() == ["ntl_was"] and len(study.seeds) == 4 and set(by) == {"ce", "del_prob", "del",
                                                                                           "ntl_was"}
 
 
@@ -191,6 +191,7 @@ def test_tiny_study_end_to_end(tmp_path, tiny_study):
         lo, hi = r["hierarchical"]["ci"]
         assert lo <= r["hierarchical"]["difference"] <= hi and len(r["seed_level"]["per_seed"]) == len(r["seeds"])
     assert "## With the seed as the unit" in summary
+    _check_the_analysis_in_tables_and_its_rewrite(out, on_disk, summary)
     assert "| del | teacher-forced digit accuracy, points |" in summary and "| **del (mean)** |" in summary
     assert "--data-dir" in on_disk["command"] and report["seconds"]["total"] > 0
     detectable = summary.split("#### gsm8k_gold")[1].splitlines()[4].rsplit("|", 2)[1].strip()
@@ -199,6 +200,22 @@ def test_tiny_study_end_to_end(tmp_path, tiny_study):
     again = run_study(tiny_study, data_dir=DATA, console=quiet(), train_only=True)
     assert again is None  # every run finished: reused, nothing retrained
     assert json.loads((tmp_path / "runs" / "ce-seed1" / "delft_run.json").read_text())["status"] == "completed"
+
+
+def _check_the_analysis_in_tables_and_its_rewrite(out, on_disk, summary):
+    """tables.txt records the seed-level rows and verdicts as the terminal showed them; the rewrite from
+    study.json recomputes the same analysis and replaces that block instead of adding a second one."""
+    from delft.experiments.seed_level import TABLES_HEADING
+    from delft.experiments.summary import rewrite
+
+    tables = (out / "tables.txt").read_text()
+    assert tables.count(TABLES_HEADING) == 1 and "del vs ce" in tables.split(TABLES_HEADING)[1]
+    for _ in range(2):
+        rewrite(out)
+    again = (out / "tables.txt").read_text()
+    assert again.count(TABLES_HEADING) == 1 and again.split(TABLES_HEADING)[0] == tables.split(TABLES_HEADING)[0]
+    assert json.loads((out / "study.json").read_text())["seed_level"] == on_disk["seed_level"]
+    assert (out / "summary.md").read_text() == summary
 
 
 def test_a_one_seed_study_has_its_differences_and_every_table(tmp_path, tiny_study):
