@@ -150,3 +150,18 @@ def test_8bit_adamw_is_refused_on_the_cpu(tmp_path, tiny_model_dir):
     res = run_cli("train", path)
     assert res.exit_code == 2 and "CUDA optimizer" in res.output
     assert "Traceback" not in res.output
+
+
+def test_the_prepared_gpu_check_builds_valid_full_fine_tuning_recipes(tmp_path):
+    """bench/gpu_full_ft.py waits for a session with a GPU: its recipes must still resolve when one comes."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_full_ft.py"
+    spec = importlib.util.spec_from_file_location("gpu_full_ft", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for device, dtype in (("cuda", "bfloat16"), ("cpu", "float32")):
+        r = load_recipe(bench.RECIPE, bench.overrides(device, "adamw_8bit", 20, tmp_path / "run"))
+        assert (r.model.device, r.model.dtype, r.train.finetuning, r.train.optimizer) == (device, dtype, "full",
+                                                                                          "adamw_8bit")
+        assert r.model.init == "scratch" and r.model.architecture.hidden_size == bench.ARCHITECTURE["hidden_size"]
