@@ -50,16 +50,15 @@ def planned(sets: list[str]) -> dict:
     return run_plan(load_recipe(RECIPE, sets), gpu_memory=None, console=Console(file=io.StringIO()))
 
 
-def moment_dtypes(sets: list[str]) -> dict:
+def moment_dtypes(recipe) -> dict:
     """The weights' dtype and the optimizer's per-parameter state dtypes after one step, with delft's own model
-    and optimizer builders for this recipe (a finished run keeps no checkpoint to read them from)."""
+    and optimizer builders for ``recipe`` (a finished run keeps no checkpoint to read them from)."""
     import torch
     from rich.console import Console
 
-    from delft.recipe import load_recipe
     from delft.training.setup import build_model, build_optimizer, setup
 
-    s = setup(load_recipe(RECIPE, sets))
+    s = setup(recipe)
     model, dtype, _ = build_model(s, Console(quiet=True))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(s, params, dtype)
@@ -71,6 +70,8 @@ def moment_dtypes(sets: list[str]) -> dict:
 
 
 def one(device: str, optimizer: str, steps: int, work: Path) -> dict:
+    from delft.recipe import load_recipe
+
     run = work / f"run-{optimizer}"
     sets = overrides(device, optimizer, steps, run)
     row: dict = {"optimizer": optimizer, "device": device, "architecture": ARCHITECTURE, "steps": steps}
@@ -90,7 +91,7 @@ def one(device: str, optimizer: str, steps: int, work: Path) -> dict:
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     logged = [m for m in metrics if "loss" in m and "peak_mem_gb" in m]
     row.update(peak_mem_gb=max(m["peak_mem_gb"] for m in logged), tokens_per_s=logged[-1]["tokens_per_s"],
-               first_loss=logged[0]["loss"], last_loss=logged[-1]["loss"], dtypes=moment_dtypes(sets))
+               first_loss=logged[0]["loss"], last_loss=logged[-1]["loss"], dtypes=moment_dtypes(load_recipe(RECIPE, sets)))
     if "plan_gb" in row:
         row["plan_over_measured"] = round(row["plan_gb"]["total"] / row["peak_mem_gb"], 3)
     export = subprocess.run([sys.executable, "-m", "delft", "export", str(run), "--out", str(work / f"export-"

@@ -112,20 +112,22 @@ def test_export_copies_and_verifies_a_fully_fine_tuned_run(tmp_path, tiny_model_
 
 
 def test_bf16_weights_keep_fp32_optimizer_states(tmp_path, tiny_model_dir):
-    from delft.training.setup import build_model, build_optimizer, setup
-
+    """One optimizer step with delft's builders, read by the prepared GPU check's own helper."""
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir, train=FULL, model={"name": str(tiny_model_dir),
                                                                                     "dtype": "bfloat16"}))
-    s = setup(recipe)
-    model, dtype, _ = build_model(s, Console(quiet=True))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(s, params, dtype)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    states = opt.state[params[0]]
-    assert params[0].dtype == torch.bfloat16
-    assert {v.dtype for v in states.values() if torch.is_tensor(v) and v.numel() > 1} == {torch.float32}
+    dtypes = _gpu_check().moment_dtypes(recipe)
+    assert dtypes["weights"] == "torch.bfloat16" and dtypes["moments"] == ["torch.float32"]
+
+
+def _gpu_check():
+    """bench/gpu_full_ft.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_full_ft.py"
+    spec = importlib.util.spec_from_file_location("gpu_full_ft", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -154,12 +156,7 @@ def test_8bit_adamw_is_refused_on_the_cpu(tmp_path, tiny_model_dir):
 
 def test_the_prepared_gpu_check_builds_valid_full_fine_tuning_recipes(tmp_path):
     """bench/gpu_full_ft.py waits for a session with a GPU: its recipes must still resolve when one comes."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_full_ft.py"
-    spec = importlib.util.spec_from_file_location("gpu_full_ft", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _gpu_check()
     for device, dtype in (("cuda", "bfloat16"), ("cpu", "float32")):
         r = load_recipe(bench.RECIPE, bench.overrides(device, "adamw_8bit", 20, tmp_path / "run"))
         assert (r.model.device, r.model.dtype, r.train.finetuning, r.train.optimizer) == (device, dtype, "full",
