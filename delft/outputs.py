@@ -63,6 +63,16 @@ def staged(path: Path, suffix: str = "", shared: Optional[Callable[[Path], bool]
         raise
 
 
+def tables_console():
+    """A plain-text recorder for tables.txt: what compare and study show on the screen, without colour, 150
+    columns wide (``.export_text()`` gives the file's text)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write a file whole or not at all."""
     with staged(path) as tmp:

@@ -16,7 +16,6 @@ before any training unless ``--force``, which replaces them as a set (``check_re
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import shlex
@@ -29,7 +28,7 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
-from delft.outputs import check_output_dir, num, pct, result_set, write_result
+from delft.outputs import check_output_dir, num, pct, result_set, tables_console, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
 from delft.rundir import METRICS, RECIPE, RUN_INFO, is_finished_run, is_run_dir, latest_checkpoint, read_info
 from delft.training.resume import BOOKKEEPING_KEYS
@@ -658,7 +657,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     _, base, synth_cfg, limit, _ = resolve_settings(contenders[0].path, [str(p) for p in runs.values()], None, None,
                                                     None, None, overrides, console)
     check_runs([str(p) for p in runs.values()], base)
-    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    tables = tables_console()
     sets = {"synthetic": evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)}
     if transfer_cfg is not None:
         tcfg = cfg0.model_copy(deep=True)

@@ -226,11 +226,9 @@ def analysis_renderables(report: dict) -> list:
 
 def analysis_text(report: dict) -> str:
     """:func:`analysis_renderables` as plain text, the way tables.txt records the terminal."""
-    import io
+    from delft.outputs import tables_console
 
-    from rich.console import Console
-
-    text = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    text = tables_console()
     for item in analysis_renderables(report):
         text.print(item, highlight=False)
     return text.export_text()

@@ -15,7 +15,6 @@ read and checked (``load_sets``) before the first training step, so a set that c
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shlex
@@ -28,6 +27,7 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
+from delft.outputs import tables_console
 from delft.recipe import (
     GENERATED,
     DataConfig,
@@ -494,7 +494,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
         return None
     base = base_name(cfg0)
     check_runs([str(p) for p in runs.values()], base)
-    tables = Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
+    tables = tables_console()
     sections = _evaluate_all(study, sets, loaded, cfg0, contenders, runs, console, tables)
     curves = _curves(study, sets, loaded, cfg0, base, contenders, runs, sections, console, tables)
     seconds = {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)}
