@@ -38,16 +38,15 @@ def overrides(device: str, optimizer: str, steps: int, out: Path) -> list[str]:
     return [f"{k}={v}" for k, v in sets.items()]
 
 
-def planned(sets: list[str]) -> dict:
-    """What `delft recipe check --plan` estimates for this recipe (its numbers, not its table)."""
+def planned(recipe) -> dict:
+    """What `delft recipe check --plan` estimates for ``recipe`` (its numbers, not its table)."""
     import io
 
     from rich.console import Console
 
-    from delft.recipe import load_recipe
     from delft.training.plan import run_plan
 
-    return run_plan(load_recipe(RECIPE, sets), gpu_memory=None, console=Console(file=io.StringIO()))
+    return run_plan(recipe, gpu_memory=None, console=Console(file=io.StringIO()))
 
 
 def moment_dtypes(recipe) -> dict:
@@ -74,9 +73,10 @@ def one(device: str, optimizer: str, steps: int, work: Path) -> dict:
 
     run = work / f"run-{optimizer}"
     sets = overrides(device, optimizer, steps, run)
+    recipe = load_recipe(RECIPE, sets)
     row: dict = {"optimizer": optimizer, "device": device, "architecture": ARCHITECTURE, "steps": steps}
     try:
-        plan = planned(sets)
+        plan = planned(recipe)
         row["plan_gb"] = {k: round(v / 2**30, 3) for k, v in plan["components"].items() if isinstance(v, (int, float))}
     except Exception as e:  # a refusal (8-bit on the CPU) is a result too
         row["plan_error"] = f"{type(e).__name__}: {e}"
@@ -87,11 +87,10 @@ def one(device: str, optimizer: str, steps: int, work: Path) -> dict:
                train_tail=(done.stdout + done.stderr)[-1500:])
     if done.returncode != 0:
         return row
-    row["plan_over_measured"] = None  # filled below when both are known
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     logged = [m for m in metrics if "loss" in m and "peak_mem_gb" in m]
     row.update(peak_mem_gb=max(m["peak_mem_gb"] for m in logged), tokens_per_s=logged[-1]["tokens_per_s"],
-               first_loss=logged[0]["loss"], last_loss=logged[-1]["loss"], dtypes=moment_dtypes(load_recipe(RECIPE, sets)))
+               first_loss=logged[0]["loss"], last_loss=logged[-1]["loss"], dtypes=moment_dtypes(recipe))
     if "plan_gb" in row:
         row["plan_over_measured"] = round(row["plan_gb"]["total"] / row["peak_mem_gb"], 3)
     export = subprocess.run([sys.executable, "-m", "delft", "export", str(run), "--out", str(work / f"export-"

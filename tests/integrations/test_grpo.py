@@ -78,7 +78,6 @@ def test_with_mu_zero_it_is_trls_grpo_trainer(tiny_model_dir, tmp_path):
 
 
 def test_the_auxiliary_term_is_delfts_sft_loss_on_the_gold_batch(tiny_model_dir, tmp_path):
-    import torch
 
     from delft.data import Tokenized, collate
     from delft.integrations.grpo import DigitGRPOTrainer

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import interrupt_on_step, recipe_file, run_cli, write_yaml
-from rich.console import Console
 from safetensors.torch import load_file
 
 from delft.errors import UserError
