@@ -86,10 +86,12 @@ def main(argv=None) -> None:
     p.add_argument("--recipe", default="del_prob")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    from delft.outputs import write_atomic
+
     rows = scale_rows(args.studies, args.recipe)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (args.out / "summary.md").write_text(scale_markdown(rows, args.recipe))
+    write_atomic(args.out / "scale.json", json.dumps(rows, indent=1) + "\n")
+    write_atomic(args.out / "summary.md", scale_markdown(rows, args.recipe))
     plot_scale(rows, args.out / "difference_by_size.png", args.recipe)
 
 
