@@ -499,8 +499,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     curves = _curves(study, sets, loaded, cfg0, base, contenders, runs, sections, console, tables)
     seconds = {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)}
     report = _report(study, path, command, base, cfg0, contenders, training, sections, curves, seconds)
+    analysis = analysis_renderables(report)
     for target in (console, tables):
-        for item in analysis_renderables(report):
+        for item in analysis:
             target.print(item, highlight=False)
     _write_results(out, report, tables.export_text(), sections, study.seeds, f"{path}: out")
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
