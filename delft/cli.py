@@ -218,9 +218,14 @@ def export(
         help="Load the GGUF files in llama.cpp and compare logits (default: when llama-cpp-python is installed)."),
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
+    from delft.export.checks import remove_export_leftovers
     from delft.export.gguf import export_gguf, prepare_gguf
     from delft.export.merge import run_export, verified_export
+    from delft.outputs import said_removed
 
+    gone = remove_export_leftovers(out)  # what an export killed with SIGKILL left beside (or in) --out
+    if gone:
+        console.print(f"[yellow]{said_removed(gone)}[/]", highlight=False)
     resumed = None if force or not (gguf or gguf_lora) else verified_export(run, out, dtype)
     plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force, resume=resumed is not None)
     if plan is not None and resumed is not None:

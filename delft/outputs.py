@@ -10,6 +10,7 @@ path that cannot be written must be refused first, not after every model was eva
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -23,6 +24,56 @@ def temporary_sibling(path: Path, suffix: str = "") -> Path:
     """A hidden name beside ``path`` (same filesystem, so the final rename is atomic), unique to this process."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+
+
+# What ``temporary_sibling`` names (``.NAME.tmp-PID`` + a suffix, or mkdtemp's ``-XXXX``) and what an export
+# moves aside while it swaps (``.NAME.old-PID``): a process killed with SIGKILL leaves them behind.
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>[0-9]+)(?:[-.].*)?$", re.DOTALL)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts: it may be a delft of another user)."""
+    if pid <= 0:
+        return True  # never a process of ours: treat as in use, so nothing is deleted on its account
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def leftover_pid(name: str, prefix: str = "") -> Optional[int]:
+    """The pid in a delft temporary's name (``.NAME.tmp-PID...``, ``.NAME.old-PID``), or None for other names;
+    with ``prefix``, only temporaries of ``NAME`` == prefix."""
+    m = _LEFTOVER.match(name)
+    if m is None or (prefix and m.group("name") != prefix):
+        return None
+    return int(m.group("pid"))
+
+
+def remove_dead_leftovers(directory: Path, prefix: str = "") -> list[Path]:
+    """Remove the temporaries in ``directory`` (see ``leftover_pid``) whose process is dead: a kill -9 left them
+    half-written. One whose process lives is another delft at work and is kept. Returns what was removed."""
+    directory = Path(directory)
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    gone = []
+    for p in sorted(directory.iterdir()):
+        pid = leftover_pid(p.name, prefix)
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
+            remove(p)
+            gone.append(p)
+    return gone
+
+
+def said_removed(gone: list[Path]) -> str:
+    """The one line that tells the user which leftovers of killed processes were removed."""
+    pids = sorted({leftover_pid(p.name) for p in gone})
+    names = ", ".join(str(p) for p in gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+    return (f"Removed {len(gone)} half-written leftover{'s' if len(gone) > 1 else ''} of a killed delft "
+            f"(process{'es' if len(pids) > 1 else ''} {', '.join(map(str, pids))}, no longer running): {names}")
 
 
 def remove(path: Path) -> None:

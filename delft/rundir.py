@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
-from delft.outputs import write_atomic
+from delft.outputs import remove, remove_dead_leftovers, write_atomic
 
 RUN_INFO = "delft_run.json"
 RECIPE = "recipe.yaml"
@@ -27,6 +27,8 @@ HF_STATE_FILE = "trainer_state.json"  # the same in a checkpoint of transformers
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 MODEL_CONFIG = "config.json"
+EXPORT_INFO = "delft_export.json"  # in every `delft export` output: what export --force may replace
+LOCK_FILE = ".delft.lock"  # held while a training writes the directory (delft.training.lock)
 
 RUNNING, INTERRUPTED, COMPLETED = "running", "interrupted", "completed"
 
@@ -70,6 +72,29 @@ def status(run_dir: Path) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- what a directory is
+
+
+def has_files(path: Path) -> bool:
+    """Anything in ``path`` besides the training lock (which a fresh run makes before anything else)."""
+    path = Path(path)
+    return path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir())
+
+
+def clear(run_dir: Path) -> None:
+    """Empty a run directory for --force, keeping the directory and its lock file: the lock belongs to the
+    directory's inode, so deleting the directory would free it for another training while this one runs."""
+    for p in Path(run_dir).iterdir():
+        if p.name != LOCK_FILE:
+            remove(p)
+
+
+def remove_run_leftovers(run_dir: Path) -> list[Path]:
+    """What a killed training left half-written in a run directory (a checkpoint, a snapshot, a log rewrite):
+    the temporaries of processes that are gone, removed. Only in a delft run directory."""
+    if not is_run_dir(run_dir):
+        return []
+    run_dir = Path(run_dir)
+    return [p for d in (run_dir, run_dir / CHECKPOINTS, run_dir / SNAPSHOTS) for p in remove_dead_leftovers(d)]
 
 
 def is_run_dir(path: Path) -> bool:

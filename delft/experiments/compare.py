@@ -30,7 +30,16 @@ from delft import __version__
 from delft.errors import UserError
 from delft.outputs import check_output_dir, num, pct, result_set, tables_console, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
-from delft.rundir import METRICS, RECIPE, RUN_INFO, is_finished_run, is_run_dir, latest_checkpoint, read_info
+from delft.rundir import (
+    METRICS,
+    RECIPE,
+    RUN_INFO,
+    has_files,
+    is_finished_run,
+    is_run_dir,
+    latest_checkpoint,
+    read_info,
+)
 from delft.training.resume import BOOKKEEPING_KEYS
 
 REPORT, TABLES, SUMMARY = "compare.json", "tables.txt", "summary.md"  # what compare writes into --out
@@ -221,7 +230,7 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
         return {"status": "reused", "steps": info.get("step"), **_last_rows(run_dir)}
     force = False
     status = "trained"
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if has_files(run_dir):
         if latest_checkpoint(run_dir) is not None:
             check_adoptable(run_dir, cfg, "an interrupted run", where)
             status = "resumed"

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
-from delft.outputs import check_writable_dir, human_size
-from delft.rundir import check_trained_dir, is_run_dir, read_info
+from delft.outputs import check_writable_dir, human_size, pid_alive, remove_dead_leftovers
+from delft.rundir import EXPORT_INFO, check_trained_dir, is_run_dir, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -55,8 +55,40 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
         kind = "a non-empty directory" if out.is_dir() else "a file"
         raise UserError(f"{out} already exists and is {kind}", "--out",
                         "Choose another --out or pass --force to replace it.")
+    if force and (out.exists() or out.is_symlink()):
+        check_replaceable(out)
     check_writable_dir(out.parent, "--out")
     _check_no_other_export(out)
+
+
+def check_replaceable(out: Path) -> None:
+    """``export --force`` replaces only an earlier export (a directory holding delft's EXPORT_INFO) or an empty
+    directory: never the current directory, one above it, home, a file or a link (train --force's rule)."""
+    where, here = out.expanduser().resolve(), Path.cwd().resolve()
+    if where == here or where in here.parents or where == Path.home().resolve():
+        raise UserError(f"--force would replace {out} ({where}), which holds the current directory or your home",
+                        "--out", "Name a new directory for the export, e.g. --out merged/NAME.")
+    fix = "Choose a new --out or an earlier export; delft never deletes other data."
+    if out.is_symlink():
+        raise UserError(f"--force replaces only an earlier delft export, and {out} is a symbolic link", "--out", fix)
+    if not out.is_dir():
+        raise UserError(f"--force replaces only an earlier delft export, and {out} is a file", "--out", fix)
+    marker = out / EXPORT_INFO
+    if any(out.iterdir()) and (marker.is_symlink() or not marker.is_file()):
+        raise UserError(f"--force replaces only an earlier delft export, and {out} is not one (it has no "
+                        f"{EXPORT_INFO})", "--out", fix)
+
+
+def remove_export_leftovers(out: Path) -> list[Path]:
+    """What a killed export of ``out`` left: its temporary directory and the earlier export it had moved aside
+    (beside ``out``), and half-written GGUF files (inside an earlier export); only those of dead processes."""
+    out = Path(out)
+    if not out.name or out.name in (".", ".."):
+        return []
+    gone = remove_dead_leftovers(out.parent, out.name)
+    if not out.is_symlink() and (out / EXPORT_INFO).is_file():
+        gone += remove_dead_leftovers(out)
+    return gone
 
 
 def local_param_count(path: str) -> Optional[int]:
@@ -106,19 +138,12 @@ def tmp_prefix(out: Path) -> str:
 
 
 def _check_no_other_export(out: Path) -> None:
-    """Refuse, before the merge, an --out another running export is writing (its temporary directory)."""
-    for tmp in out.parent.glob(f"{glob.escape(tmp_prefix(out))}*-*") if out.parent.is_dir() else []:
-        pid = tmp.name[len(tmp_prefix(out)):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
-            raise UserError(f"another delft export (process {pid}) is writing {out} right now", "--out",
-                            "Wait for it to finish, or export to another --out.")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+    """Refuse, before the merge, an --out another running export is writing (its temporary directory), under
+    this spelling of --out or the path it resolves to (a symlinked alias)."""
+    for spelling in dict.fromkeys((out, out.resolve())):
+        parent = spelling.parent
+        for tmp in parent.glob(f"{glob.escape(tmp_prefix(spelling))}*-*") if parent.is_dir() else []:
+            pid = tmp.name[len(tmp_prefix(spelling)):].split("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+                raise UserError(f"another delft export (process {pid}) is writing {out} right now", "--out",
+                                "Wait for it to finish, or export to another --out.")

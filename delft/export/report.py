@@ -14,7 +14,7 @@ from rich.table import Table
 
 from delft.errors import UserError
 from delft.export.checks import human_size
-from delft.rundir import RECIPE
+from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
 
 
 def load_recipe_quietly(run_dir: Path):
@@ -202,9 +202,6 @@ CHECK_PROMPTS = ("What is 17 * 23?", "Q: 1,250.5 - 93 =\nA:", "The 3 boxes hold 
 
 
 MARKER = "MERGE_CHECK_FAILED.txt"
-
-
-EXPORT_INFO = "delft_export.json"
 
 
 @dataclass

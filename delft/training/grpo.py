@@ -302,7 +302,7 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
             check_steps_left(ckpt, steps)
         if replace:
             console.print(f"[yellow]--force: replacing {run_dir}[/]")
-            shutil.rmtree(run_dir)
+            rundir.clear(run_dir)  # the directory stays: it holds the lock
         rundir.checkpoints_root(run_dir).mkdir(parents=True, exist_ok=True)
         if ckpt is not None:
             truncate_metrics(run_dir / rundir.METRICS, checkpoint_step(ckpt), console)

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from delft import rundir
 from delft.errors import UserError
-from delft.outputs import write_atomic
+from delft.outputs import said_removed, write_atomic
 from delft.recipe import Recipe, load_recipe, recipe_differences
 from delft.rundir import latest_checkpoint
 from delft.training import distributed as dist
@@ -41,8 +41,12 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     ``check_replaceable`` (run_training checks before the lock file is made beside the directory).
     """
     run_dir = Path(recipe.output.dir)
+    if dist.is_main():  # the lock is held: a temporary of a process that is gone is a kill -9's leftover
+        gone = rundir.remove_run_leftovers(run_dir)
+        if gone:
+            console.print(f"[yellow]{said_removed(gone)}[/]", highlight=False)
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
-    exists = run_dir.is_dir() and any(run_dir.iterdir())
+    exists = rundir.has_files(run_dir)  # the lock file alone is a fresh directory
     status = rundir.status(run_dir) if run_dir.is_dir() else None
     if exists and ckpt is None and status in (rundir.RUNNING, rundir.INTERRUPTED) and not force:
         who = f" (pid {stale_pid})" if stale_pid else ""

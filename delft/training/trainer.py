@@ -102,7 +102,7 @@ class Trainer:
             return
         if replace:
             self.console.print(f"[yellow]--force: replacing {self.run_dir}[/]")
-            shutil.rmtree(self.run_dir)
+            rundir.clear(self.run_dir)  # the directory stays: it holds the lock
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.initial_adapter is not None:  # before a checkpoint loads: the init is rebuilt the same way
             from delft.models.loading import save_initial_adapter
@@ -405,7 +405,7 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     dist.start(recipe.model.device)
     console = dist.rank_console(console or Console())
     check_replaceable(Path(recipe.output.dir))
-    check_writable(Path(recipe.output.dir))  # the lock file goes beside the run directory
+    check_writable(Path(recipe.output.dir))  # the lock file goes in the run directory
     with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
         run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
         random.seed(recipe.train.seed)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 from delft.errors import UserError
-from delft.export.merge import MARKER, _describe_merge, run_export
+from delft.export.merge import EXPORT_INFO, MARKER, _describe_merge, run_export
 from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
 from delft.export.report import eval_headline
 
@@ -196,6 +196,7 @@ def test_impossible_tolerance_fails_and_marks_output(run_dir, tmp_path):
     out = tmp_path / "failed"
     out.mkdir()
     (out / "old.txt").write_text("replaced by --force")
+    (out / EXPORT_INFO).write_text("{}")  # an earlier export: the only kind of directory --force replaces
     res = run_cli("export", run_dir, "--out", out, "--tolerance", "0", "--force")
     assert res.exit_code == 1, res.output
     assert "verification failed" in res.output and MARKER in res.output

@@ -288,7 +288,7 @@ def test_sigterm_saves_and_a_second_training_is_refused(tmp_path, tiny_model_dir
     assert f"Resume with: delft train '{path}'" in out  # shell-quoted: the path has a space
     assert read_info(run)["status"] == "interrupted"
     assert latest_checkpoint(run) is not None
-    assert not (tmp_path / ".my run.lock").exists()
+    assert not (run / ".delft.lock").exists()  # the lock file: a clean stop deletes it
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, tiny_model_dir):
