@@ -14,6 +14,16 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from delft.data_fields import (
+    Fields,
+    check_data_path,
+    deepest,
+    json_loads,
+    read_csv,
+    read_parquet,
+    read_regular_bytes,
+    too_deep,
+)
 from delft.errors import UserError
 from delft.numbers.tokens import IGNORE
 
@@ -144,33 +154,19 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
     """Rows as dicts and a label for messages ("data.jsonl")."""
     source = cfg.source
     path = Path(source).expanduser()
-    if path.suffix.lower() in LOCAL_LOADERS or path.exists():
-        if path.is_dir():
-            raise UserError(f"data source {source} is a directory", f"{where}.source",
-                            "Name the data file itself (.jsonl, .json, .csv or .parquet).")
-        if not path.is_file():
-            raise UserError(f"data file {source} does not exist", f"{where}.source", "Check the path.")
-        if path.stat().st_size == 0:
-            raise UserError(f"data file {source} is empty", f"{where}.source", "Give a file with at least one row.")
+    if path.suffix.lower() in LOCAL_LOADERS or path.exists() or path.is_symlink():
+        check_data_path(path, source, where)
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
             return _read_jsonl(path, _read_text(path, where), where), path.name
         if suffix == ".json" or (cfg.format == "svamp" and suffix not in LOCAL_LOADERS):  # SVAMP.json, renamed
             return _read_json(path, _read_text(path, where), where), path.name
         if suffix == ".csv":
-            _read_text(path, where)  # a non-UTF-8 byte named by line before the csv reader sees it
-        loader = LOCAL_LOADERS.get(suffix)
-        if loader is None:
-            raise UserError(f"unsupported data file type {path.suffix!r}", f"{where}.source",
-                            "Use .jsonl, .json, .csv or .parquet.")
-        import datasets
-
-        try:
-            ds = datasets.load_dataset(loader, data_files=str(path), split="train")
-        except Exception as e:  # datasets wraps parser errors in many types
-            raise UserError(f"could not read {source}: {str(e).splitlines()[0]}", f"{where}.source",
-                            "Check the file's format.") from None
-        return [dict(r) for r in ds], path.name
+            return read_csv(path, _read_text(path, where), where), path.name
+        if suffix == ".parquet":
+            return read_parquet(path, where), path.name
+        raise UserError(f"unsupported data file type {path.suffix!r}", f"{where}.source",
+                        "Use .jsonl, .json, .csv or .parquet.")
     if re.fullmatch(HUB_ID, source):
         return _load_hub_rows(cfg, where), source
     raise UserError(f"data source {source!r} is neither a file nor a hub id", f"{where}.source",
@@ -179,11 +175,7 @@ def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
 
 def _read_text(path: Path, where: str) -> str:
     """A text data file as str; a byte that is not UTF-8 is named by line, not a traceback."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"data file {path} cannot be read ({e.strerror})", f"{where}.source",
-                        "Check its permissions.") from None
+    raw = read_regular_bytes(path, where)
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -212,7 +204,10 @@ def _read_json(path: Path, text: str, where: str) -> list[dict]:
     """A .json data file: a JSON list of records (objects). JSON Lines under a .json name are read as JSON Lines;
     valid JSON of another shape (an object, a list of numbers, a string) is refused by name."""
     try:
-        data = json.loads(text)
+        data = json_loads(text)
+    except RecursionError:
+        depth, line, item = deepest(text)
+        raise too_deep(path.name, f"item {item} (line {line})", depth, where) from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data" and not text.lstrip().startswith("["):  # one object per line, named .json
             return _read_jsonl(path, text, where)
@@ -242,7 +237,9 @@ def _read_jsonl(path: Path, text: str, where: str = "data") -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json_loads(line)
+        except RecursionError:
+            raise too_deep(path.name, f"row {lineno}", deepest(line)[0], where) from None
         except json.JSONDecodeError as e:
             raise UserError(f"{path.name} row {lineno} is not valid JSON ({e.msg})", f"{where}.source",
                             "Fix or remove that line.") from None
@@ -280,15 +277,6 @@ def _load_hub_rows(cfg, where: str) -> list[dict]:
 # ----------------------------------------------------------------------------- formats
 
 
-def _field(row: dict, name: str, label: str, i: int, where: str, required: bool = True) -> Any:
-    if name not in row or row[name] is None:
-        if not required:
-            return None
-        raise UserError(f"{label} row {i + 1} has no {name!r} field (fields: {', '.join(map(str, row))})",
-                        f"{where}.format", "Check data.format, or fix the row.")
-    return row[name]
-
-
 def _gsm8k_answer(text: str, label: str, i: int, where: str) -> str:
     m = re.search(r"####\s*(-?[\d,]*\.?\d+)\s*$", text.strip())
     if not m:
@@ -298,34 +286,31 @@ def _gsm8k_answer(text: str, label: str, i: int, where: str) -> str:
 
 
 def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data") -> Example:
+    """One row as an Example. Every field it uses must be text (a completion or answer may be a finite number,
+    used as its plain text); delft.data_fields refuses anything else by file, row and field."""
+    f = Fields(row, label, i, where)
     if fmt == "prompt_completion":
-        prompt, completion = _field(row, "prompt", label, i, where), _field(row, "completion", label, i, where)
-        answer = row.get("answer")
-        return Example(str(prompt), str(completion), None if answer is None else str(answer), i)
+        return Example(f.text("prompt"), f.text("completion", number=True),
+                       f.text("answer", number=True, required=False), i)
     if fmt == "alpaca":
-        instruction, output = _field(row, "instruction", label, i, where), _field(row, "output", label, i, where)
-        extra = row.get("input") or ""
+        instruction, output = f.text("instruction"), f.text("output", number=True)
+        extra = f.text("input", required=False) or ""
         prompt = (ALPACA_PROMPT_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra)
-        return Example(prompt, str(output), None, i)
+        return Example(prompt, output, None, i)
     if fmt == "gsm8k":
-        question, answer = _field(row, "question", label, i, where), _field(row, "answer", label, i, where)
-        completion = re.sub(r"<<[^>]*>>", "", str(answer))  # calculator annotations are not language
-        return Example(str(question), completion, _gsm8k_answer(str(answer), label, i, where), i)
+        question, answer = f.text("question"), f.text("answer")
+        completion = re.sub(r"<<[^>]*>>", "", answer)  # calculator annotations are not language
+        return Example(question, completion, _gsm8k_answer(answer, label, i, where), i)
     if fmt == "svamp":
-        body, question = _field(row, "Body", label, i, where), _field(row, "Question", label, i, where)
-        value = _field(row, "Answer", label, i, where)
-        answer = format_number(Decimal(str(value)))
-        return Example(f"{str(body).strip()} {str(question).strip()}", answer, answer, i)
+        body, question, answer = f.text("Body"), f.text("Question"), f.number("Answer")
+        return Example(f"{body.strip()} {question.strip()}", answer, answer, i)
     if fmt == "chat":
-        messages = _field(row, "messages", label, i, where)
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise UserError(f"{label} row {i + 1}: 'messages' must be a list of {{role, content}} objects",
-                            f"{where}.format", "Fix the row.")
+        messages = f.messages()
         if messages[-1]["role"] != "assistant":
             raise UserError(f"{label} row {i + 1}: the last message must be the assistant's answer",
                             f"{where}.format", "Only the last assistant turn is trained on.")
-        return Example(list(messages[:-1]), str(messages[-1]["content"]), row.get("answer"), i)
+        return Example(list(messages[:-1]), messages[-1]["content"], f.text("answer", number=True, required=False),
+                       i)
     raise UserError(f"unknown data format {fmt!r}", f"{where}.format", "See delft recipe check for the choices.")
 
 

@@ -16,7 +16,7 @@ FLOORS = [
     ("delft.rundir", "delft.outputs", "delft.children"),
     ("delft.numbers",),
     ("delft.losses",),
-    ("delft.recipe", "delft.recipe_keys", "delft.data"),
+    ("delft.recipe", "delft.recipe_keys", "delft.data", "delft.data_fields"),
     ("delft.models",),
     ("delft.evaluation",),
     ("delft.training",),

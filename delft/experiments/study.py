@@ -131,6 +131,7 @@ def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
     """A file source as given, or looked up in --data-dir when relative; missing files are refused now. A
     hub dataset id (no file suffix, no such path) is left to the data loader."""
     from delft.data import LOCAL_LOADERS
+    from delft.data_fields import check_data_path
 
     path = Path(source).expanduser()
     in_dir = data_dir is not None and (data_dir / path).exists()
@@ -138,10 +139,9 @@ def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
         return source
     if not path.is_absolute() and data_dir is not None:
         path = data_dir / path
-    if not path.is_file():
-        raise UserError(f"data file {path} does not exist", where,
-                        "Pass --data-dir DIR, the folder that holds the study's data files "
-                        "(GSM8K's train.jsonl/test.jsonl as gsm8k_train.jsonl/gsm8k_test.jsonl, SVAMP's svamp.json).")
+    check_data_path(path, str(path), where.removesuffix(".source"),
+                    "Pass --data-dir DIR, the folder that holds the study's data files (GSM8K's train.jsonl/test.jsonl "
+                    "as gsm8k_train.jsonl/gsm8k_test.jsonl, SVAMP's svamp.json).")
     return str(path)
 
 
