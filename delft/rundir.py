@@ -147,13 +147,14 @@ def is_finished_run(path: Path) -> bool:
 def base_model(run_dir: Path) -> Optional[str]:
     """The base model a run records (delft_run.json), else the adapter's own base_model_name_or_path."""
     recorded = read_info(run_dir).get("base_model")
-    if recorded:
+    if isinstance(recorded, str) and recorded:
         return recorded
     try:
         cfg = json.loads((Path(run_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    return cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    named = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    return named if isinstance(named, str) and named else None  # a number there is refused by check_adapter_config
 
 
 def tokenizer_source(run_dir: Optional[Path], base_path: str) -> str:
@@ -164,14 +165,17 @@ def tokenizer_source(run_dir: Optional[Path], base_path: str) -> str:
 
 
 def check_model_files(path: Path, where: str, fix: str) -> None:
-    """Refuse a damaged adapter or model directory before any long work: its JSON configs must parse and every
-    safetensors file must have a whole header covering the file (an adapter cut short fails here, by name)."""
+    """Refuse a damaged adapter or model directory before any long work: its JSON configs must parse (and say what
+    peft and transformers accept), its weights must be safetensors, and every safetensors file must have a whole
+    header covering the file (an adapter cut short fails here, by name)."""
     from safetensors import safe_open
 
     path = Path(path)
     for name in (ADAPTER_CONFIG, MODEL_CONFIG):
         if (path / name).exists():
-            read_json(path / name, where, fix)
+            data = read_json(path / name, where, fix)
+            (check_adapter_config if name == ADAPTER_CONFIG else check_model_config)(path / name, data, where)
+    check_safetensors_only(path, where)
     for f in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as sf:
@@ -194,6 +198,93 @@ def read_json(file: Path, where: str, fix: str) -> dict:
 def _damaged(file: Path, err: Exception, where: str, fix: str) -> UserError:
     reason = (str(err).splitlines() or [type(err).__name__])[0][:160]
     return UserError(f"{file} is damaged or unreadable ({reason})", where, fix)
+
+
+# ----------------------------------------------------------------------------- what a model file must say
+
+# Weights in pickle files: loading one can run code, so delft reads none (safetensors only).
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "adapter_model.bin", "model*.pt", "model*.pth", "consolidated*.pth")
+
+
+def _names(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# adapter_config.json's fields peft reads when it loads a LoRA adapter: (accepts, what it must be). None is allowed
+# where peft allows it (every field but r, lora_alpha and peft_type).
+ADAPTER_FIELDS = {
+    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a whole number above 0, e.g. 8"),
+    "lora_alpha": (_number, "a number, e.g. 16"),
+    "peft_type": (lambda v: isinstance(v, str), 'text, e.g. "LORA"'),
+    "lora_dropout": (lambda v: v is None or (_number(v) and 0 <= v < 1), "a number from 0 up to 1, e.g. 0.05"),
+    "target_modules": (lambda v: v is None or _names(v), 'a module name or a list of them, e.g. ["q_proj", "v_proj"]'),
+    "modules_to_save": (lambda v: v is None or _names(v), 'a list of module names, e.g. ["lm_head"]'),
+    "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "the base model's name or path as text"),
+    "task_type": (lambda v: v is None or isinstance(v, str), 'text, e.g. "CAUSAL_LM"'),
+    "bias": (lambda v: v is None or isinstance(v, str), 'text, e.g. "none"'),
+    "use_dora": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "use_rslora": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "fan_in_fan_out": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "rank_pattern": (lambda v: v is None or isinstance(v, dict), "an object of module names and ranks"),
+    "alpha_pattern": (lambda v: v is None or isinstance(v, dict), "an object of module names and alphas"),
+    "layers_to_transform": (lambda v: v is None or isinstance(v, int) or (isinstance(v, list) and all(
+        isinstance(x, int) for x in v)), "a layer number or a list of them"),
+}
+
+
+def check_adapter_config(file: Path, data: dict, where: str) -> None:
+    """Refuse an adapter_config.json whose fields peft would trip over (``r: "eight"``, ``target_modules: 5``)."""
+    bad = [f"{k} is {json.dumps(data[k])[:60]}, but must be {want}" for k, (ok, want) in ADAPTER_FIELDS.items()
+           if k in data and not ok(data[k])]
+    bad += [f"{k} is missing" for k in ("r", "lora_alpha") if data.get("peft_type", "LORA") == "LORA" and k not in data]
+    if bad:
+        raise UserError(f"{file} is not a LoRA adapter config peft can load: {'; '.join(bad)}", where,
+                        f"Correct it in {file.name} (delft train writes these fields; a hand-edited or foreign "
+                        "adapter may have them wrong), or train the adapter again.")
+
+
+def check_model_config(file: Path, data: dict, where: str) -> None:
+    """Refuse a config.json transformers rejects (an unknown model_type, a value its config class cannot take), by
+    name, before any weights load. A type transformers lacks but ``auto_map`` code provides is left to the
+    remote-code check: transformers builds such a config only by running that code."""
+    from transformers import CONFIG_MAPPING, AutoConfig, __version__
+
+    model_type = data.get("model_type")
+    known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    if not known and "auto_map" in data:
+        return
+    if "model_type" in data and not known:
+        raise UserError(f"{file} names model_type {json.dumps(model_type)[:60]}, which transformers {__version__} "
+                        "does not know", where, f"Correct model_type in {file.name} (e.g. \"llama\", \"qwen2\"), or, "
+                        "for a model newer than this transformers, upgrade it: pip install -U transformers.")
+    try:
+        AutoConfig.from_pretrained(str(Path(file).parent), trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"transformers cannot read {file} ({reason})", where,
+                        f"Restore {file.name} from where the model came from, or download the model again.") from None
+
+
+def check_safetensors_only(path: Path, where: str) -> None:
+    """Refuse a directory whose weights are only in pickle files (pytorch_model.bin, adapter_model.bin): delft
+    loads safetensors only, since unpickling a file someone else made can run their code. Says how to convert."""
+    pickles = sorted({f.name for pattern in PICKLE_WEIGHTS for f in Path(path).glob(pattern)})
+    if not pickles or any(Path(path).glob("*.safetensors")):
+        return
+    d = str(path)
+    if "adapter_model.bin" in pickles:
+        how = ("python -c \"import torch; from safetensors.torch import save_file; save_file(torch.load("
+               f"'{d}/adapter_model.bin', weights_only=True), '{d}/adapter_model.safetensors')\"")
+    else:
+        how = ("python -c \"from transformers import AutoModelForCausalLM as M; "
+               f"M.from_pretrained('{d}').save_pretrained('{d}')\" (it writes model.safetensors beside the .bin)")
+    raise UserError(f"{Path(path) / pickles[0]} holds the weights as a pickle file{'s' if len(pickles) > 1 else ''} "
+                    f"({', '.join(pickles)}), and delft loads safetensors only: loading a pickle can run code "
+                    "hidden in it", where, f"Convert it once, on a machine where you trust the file: {how}.")
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -157,7 +157,7 @@ def test_inspect_refuses_a_prompt_past_the_models_context_before_generating(tiny
     from types import SimpleNamespace
 
     import delft.inspection.command as command
-    from delft.inspection.records import check_context
+    from delft.models.context import check_context
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generated although the prompt does not fit")
@@ -175,7 +175,7 @@ def test_inspect_refuses_a_prompt_past_the_models_context_before_generating(tiny
     n = int(" ".join(r.output.split()).split("the prompt is ")[1].split(" ")[0])
     refused(r, f"{n + 40} tokens, more than", f"Shorten the prompt to 472 tokens or fewer, or pass --max-new-tokens "
             f"{512 - n} or fewer")
-    check_context(SimpleNamespace(config=SimpleNamespace()), 10_000, 32, "m", False)  # no max_position_embeddings
+    check_context(SimpleNamespace(config=SimpleNamespace()), 10_000, 32, "m", "delft inspect")  # no limit
 
 
 # ------------------------------------------------------------------------------------------- export

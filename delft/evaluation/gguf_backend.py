@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from delft.errors import UserError
+from delft.models.sources import check_gguf_magic
 
 GGUF_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install "delft[gguf]"'
 CHILD = [sys.executable, "-m", "delft.evaluation.gguf_backend"]  # tests put a stand-in that crashes
@@ -35,6 +36,7 @@ def check_gguf(path: Path, where: str) -> None:
     """A GGUF column needs the file and llama-cpp-python: refuse before any model answers."""
     if not path.is_file():
         raise UserError(f"GGUF file {path} does not exist", where, "Check the path (delft export --gguf writes them).")
+    check_gguf_magic(path, where)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

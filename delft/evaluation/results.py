@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from delft.data import prompt_ids
+from delft.evaluation.fewshot import fewshot_prompt, question_text
 from delft.evaluation.problems import Problem
+from delft.models.context import check_context, context_limit
 from delft.numbers.answers import Scored, cut_at_stop, extract_answer, score
 from delft.numbers.harness import harness_scores
 
@@ -35,7 +38,6 @@ def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> 
     """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
     harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
     from delft.data import render_prompt, use_chat_template
-    from delft.evaluation.fewshot import fewshot_prompt, question_text
     from delft.evaluation.generation import stop_strings
 
     if eval_cfg.fewshot is not None:
@@ -43,6 +45,40 @@ def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> 
         return False, stop_strings(tokenizer, False), prompts
     chat = use_chat_template(tokenizer, data_cfg)
     return chat, stop_strings(tokenizer, chat), [render_prompt(p.example, tokenizer, data_cfg) for p in problems]
+
+
+def check_prompts_fit(model, tokenizer, prompts: Sequence[str], problems: Sequence[Problem], eval_cfg,
+                      name: str) -> None:
+    """Refuse, before any generation, when a prompt and eval.max_new_tokens pass the model's context
+    (delft.models.context, the check inspect runs): the longest such prompt is named, with what fits instead."""
+    limit = context_limit(model)
+    if limit is None:
+        return
+    budget = eval_cfg.max_new_tokens
+    lengths = [len(prompt_ids(tokenizer, p)) for p in prompts]
+    over = [i for i, n in enumerate(lengths) if n + budget > limit]
+    if not over:
+        return
+    i = max(over, key=lambda j: lengths[j])
+    question = " ".join(question_text(problems[i].example).split())
+    shown = question if len(question) <= 40 else question[:40] + "..."
+    label = f"the prompt of eval problem {problems[i].index + 1} ({shown!r})"
+    if len(over) > 1:
+        label = f"{len(over)} of {len(prompts)} prompts do not fit; the longest, {label},"
+    check_context(model, lengths[i], budget, name, "eval prompts", prompt=label, budget="eval.max_new_tokens",
+                  lower="pass --set eval.max_new_tokens={n} or fewer",
+                  shorten=_fewer_shots(tokenizer, problems[i], eval_cfg.fewshot, limit - budget))
+
+
+def _fewer_shots(tokenizer, problem: Problem, shots, fits: int):
+    """With few-shot prompts: the most exemplars whose prompt fits in ``fits`` tokens, as the fix (None without)."""
+    if not shots:
+        return None
+    question = question_text(problem.example)
+    for k in range(shots - 1, -1, -1):
+        if len(prompt_ids(tokenizer, fewshot_prompt(question, k))) <= fits:
+            return f"Use fewer exemplars (--fewshot {k} fits), or shorten the problem"
+    return "Drop --fewshot (even zero exemplars do not fit) and shorten the problem"
 
 
 def sampling_of(eval_cfg):

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from delft.evaluation.metrics import summarize
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
-from delft.evaluation.results import ModelResult, eval_prompts, sampling_of, scored_result
+from delft.evaluation.results import ModelResult, check_prompts_fit, eval_prompts, sampling_of, scored_result
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
@@ -24,6 +24,7 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
 
     with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
         chat, stops, prompts = eval_prompts(lm.tokenizer, problems, data_cfg, recipe_cfg.eval)
+        check_prompts_fit(lm.model, lm.tokenizer, prompts, problems, recipe_cfg.eval, adapter or base)
         advance = (lambda n: progress.advance(task, n)) if progress is not None else None
         generations = generate(lm.model, lm.tokenizer, prompts, recipe_cfg.eval.max_new_tokens, chat,
                                recipe_cfg.eval.batch_size, stops, on_batch=advance,

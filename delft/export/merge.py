@@ -46,9 +46,10 @@ from delft.export.report import (
     summary_table,
     why_failed,
 )
+from delft.models.remote_code import check_remote_code
 from delft.models.sources import GGUF_SOURCE
-from delft.outputs import follow_umask
-from delft.rundir import COMPLETED, RECIPE, RUN_INFO, is_merged_model
+from delft.outputs import follow_umask, is_disk_full
+from delft.rundir import COMPLETED, RECIPE, RUN_INFO, check_model_files, is_merged_model
 
 # Default tolerance on max |dlogit| = REL_TOLERANCE[dtype] * max(1, max |logit| of base + adapter).
 #  fp32: only summation order differs between W x + B(A x) and (W + BA) x: ~1e-6 relative; 1e-4 leaves room
@@ -147,9 +148,19 @@ def _check_arguments(dtype: str, tolerance: Optional[float], device: str) -> str
     return dtype
 
 
+def _refuse_folder_code(run_dir: Path, name: str, base_dir: Path, remote: bool) -> None:
+    """Code the base or the run's tokenizer would run: refused unless the user passed --trust-remote-code. The
+    run's own recipe.yaml may say trust_remote_code: true; it is someone else's file and is not obeyed."""
+    origin = f"the base recorded in {run_dir / RUN_INFO}"
+    check_remote_code(base_dir, name, "delft export", remote, origin)
+    if run_dir.resolve() != base_dir.resolve():
+        check_remote_code(run_dir, str(run_dir), "delft export", remote, "its tokenizer files")
+
+
 def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
-                  gguf_bytes: float = 0.0) -> tuple[dict, _Base, Optional[int]]:
-    """(run info, the base, its parameter count when the files tell it); every refusal before loading weights."""
+                  gguf_bytes: float = 0.0, remote: bool = False) -> tuple[dict, _Base, Optional[int]]:
+    """(run info, the base, its parameter count when the files tell it); every refusal before loading weights.
+    ``remote``: the user's own --trust-remote-code, never a setting read from the run."""
     from transformers import AutoConfig
 
     from delft.models.sources import SMOLLM2_ALIAS, resolve_model
@@ -157,7 +168,7 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
 
     info = check_run_dir(run_dir)
     if is_merged_model(run_dir):  # fully fine-tuned: the run is the model (check_run_dir allows it for runs)
-        return _full_run(run_dir, out, force, dtype, gguf_bytes, info)
+        return _full_run(run_dir, out, force, dtype, gguf_bytes, info, remote)
     name = base_model(run_dir)
     if not name:
         raise UserError(f"{run_dir} does not say which base model its adapter belongs to", "delft export",
@@ -165,14 +176,19 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
     check_out(out, force, {"run directory": run_dir})
     recipe = load_recipe_quietly(run_dir)
     revision = recipe.model.revision if recipe else None
-    remote = recipe.model.trust_remote_code if recipe else False
     ref = resolve_model(name, revision)
     if ref.is_local:
         check_out(out, force, {"run directory": run_dir, "base model": Path(ref.path)})
+        check_model_files(Path(ref.path), "delft export", f"Check the base recorded in the run's {RUN_INFO}.")
+        _refuse_folder_code(run_dir, name, Path(ref.path), remote)
     gguf = name.endswith(".gguf") or name == SMOLLM2_ALIAS or (Path(ref.path) / GGUF_SOURCE).is_file()
     try:
         config = AutoConfig.from_pretrained(ref.path, revision=revision, trust_remote_code=remote)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):  # a hub base whose files are not here to name
+            raise UserError(f"base model {name!r} (recorded in {run_dir / RUN_INFO}) loads only by running code "
+                            "from its repository, and delft never takes trust_remote_code from a run folder",
+                            "delft export", "Read that code first; if you trust it, pass --trust-remote-code.") from None
         raise UserError(f"could not read the config of base model {name!r}: {str(e).splitlines()[0]}",
                         "delft export", f"Check the base recorded in the run's {RUN_INFO}.") from None
     if getattr(config, "quantization_config", None):
@@ -186,20 +202,21 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
 
 
 def _full_run(run_dir: Path, out: Path, force: bool, dtype: str, gguf_bytes: float,
-              info: dict) -> tuple[dict, _Base, Optional[int]]:
+              info: dict, remote: bool) -> tuple[dict, _Base, Optional[int]]:
     """A fully fine-tuned run as the "base" an export copies: its own config and weights, nothing merged."""
     from transformers import AutoConfig
 
     from delft.models.sources import ModelRef
 
     check_out(out, force, {"run directory": run_dir})
+    check_remote_code(run_dir, str(run_dir), "delft export", remote, "a fully fine-tuned run")
     recipe = load_recipe_quietly(run_dir)
-    config = AutoConfig.from_pretrained(str(run_dir))
+    config = AutoConfig.from_pretrained(str(run_dir), trust_remote_code=remote)
     estimate = local_param_count(str(run_dir))
     if estimate:
         check_disk(out, estimate, dtype, gguf_bytes)
     ref = ModelRef(str(run_dir), str(run_dir), True, "fully fine-tuned run: its weights are copied, nothing merged")
-    return info, _Base(info.get("base_model") or str(run_dir), ref, config, recipe, None, False, False), estimate
+    return info, _Base(info.get("base_model") or str(run_dir), ref, config, recipe, None, remote, False), estimate
 
 
 def _copy_full(run_dir: Path, base: _Base, info: dict, device: str, encoded: list):
@@ -340,7 +357,7 @@ def _write_reports(tmp: Path, result: ExportResult, info: dict, base: "_Base", r
 def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
                tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
                console: Optional[Console] = None, max_shard_size: str = "2GB",
-               gguf_bytes_per_param: float = 0.0) -> ExportResult:
+               gguf_bytes_per_param: float = 0.0, trust_remote_code: bool = False) -> ExportResult:
     """Merge the adapter in ``run_dir`` into its base model and write a standalone model to ``out``.
 
     Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
@@ -352,7 +369,7 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
     console = console or Console()
     run_dir, out = Path(run_dir), Path(out)
     dtype = _check_arguments(dtype, tolerance, device)
-    info, base, estimate = _resolve_base(run_dir, out, force, dtype, gguf_bytes_per_param)
+    info, base, estimate = _resolve_base(run_dir, out, force, dtype, gguf_bytes_per_param, trust_remote_code)
     device = resolve_device(device)
     short, detail, notes = _what_is_merged(run_dir, info, match_training, base.gguf)
     _announce(run_dir, out, base, info, detail, notes, dtype, device, console)
@@ -379,12 +396,11 @@ def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = Fal
         _verify_reload(tmp, encoded, reference, result, base, device)
         _write_reports(tmp, result, info, base, run_dir)
         _swap_into_place(tmp, out, force)
-    except OSError as e:  # disk full or the directory taken away mid-write: nothing is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write the merged model for {out} ({e.strerror or e})", "--out",
-                        "Free some space or choose another --out, then export again.") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:  # disk full (also in the tokenizer's Rust writer) or the directory taken away
+        shutil.rmtree(tmp, ignore_errors=True)  # mid-write: nothing is left behind
+        if isinstance(e, OSError) or is_disk_full(e):
+            raise UserError(f"could not write the merged model for {out} ({getattr(e, 'strerror', None) or e})",
+                            "--out", "Free some space or choose another --out, then export again.") from None
         raise
 
     console.print(summary_table(result))

@@ -32,13 +32,13 @@ from delft.inspection.records import (
     InspectResult,
     ModelView,
     PositionRecord,
-    check_context,
     check_target,
     compute_records,
     greedy_answer,
     numbers_of,
 )
 from delft.inspection.render import render, to_json, write_plot
+from delft.models.context import check_context
 from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
 from delft.rundir import check_trained_dir
@@ -117,7 +117,8 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
         chat = use_chat_template(tok, cfg.data)
         prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
         n_answer = max_new_tokens if target_text is None else len(tok.encode(target_text, add_special_tokens=False))
-        check_context(loaded.model, len(prompt_ids(tok, prompt_text)), n_answer, spec.name, target_text is not None)
+        check_context(loaded.model, len(prompt_ids(tok, prompt_text)), n_answer, spec.name, "delft inspect",
+                      budget=None if target_text is not None else "--max-new-tokens")
         own = None
         if result is None:
             result, ids = _first_answer(loaded.model, tok, vocab, spec, prompt, prompt_text, target_text,

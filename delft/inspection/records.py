@@ -67,28 +67,6 @@ def check_target(target: str) -> str:
     return text
 
 
-def check_context(model, n_prompt: int, n_answer: int, name: str, target: bool) -> None:
-    """Refuse, before generating, a prompt whose tokens and the answer's (--max-new-tokens, or the --target's
-    tokens) pass the model's context (max_position_embeddings in its config; no check where the config has none):
-    past it a model runs on out of its positions (a long prompt generated for minutes, printing nothing)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0 or n_prompt + n_answer <= limit:
-        return
-    answer = f"the --target answer is {n_answer}" if target else f"--max-new-tokens is {n_answer}"
-    fits, room = limit - n_answer, limit - n_prompt  # the longest prompt, the most new tokens, that fit
-    shorten = f"Shorten the prompt to {fits} tokens or fewer" if fits >= 1 else "Give a shorter prompt"
-    if target:
-        fix = f"{shorten}." if fits >= 1 else "Give a shorter prompt and --target."
-    elif room < 1:
-        fix = f"{shorten}, so that it and --max-new-tokens together stay within {limit} tokens."
-    elif fits < 1:
-        fix = f"Pass --max-new-tokens {room} or fewer."
-    else:
-        fix = f"{shorten}, or pass --max-new-tokens {room} or fewer."
-    raise UserError(f"the prompt is {n_prompt} tokens and {answer}: {n_prompt + n_answer} tokens, more than {name}'s "
-                    f"context of {limit} tokens (max_position_embeddings in its config)", "delft inspect", fix)
-
-
 def char_rows(token_ids: Sequence[int], texts: Sequence[str],
               vocab: NumberVocab) -> tuple[list[Optional[str]], list[str], list[int]]:
     """(char, text, token index) per row: a number token gives one row per digit, any other token one row

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from delft.errors import UserError
+from delft.models.config_numbers import check_config_numbers
+from delft.models.remote_code import check_remote_code
 from delft.models.sources import ModelRef, resolve_model
 from delft.rundir import (
     ADAPTER_CONFIG,
@@ -23,6 +25,7 @@ from delft.rundir import (
     is_merged_model,
     tokenizer_source,
 )
+from delft.training import signals
 
 
 def resolve_device(pref: str) -> str:
@@ -56,6 +59,11 @@ def resolve_quantization(mode: str, device: str, finetuning: str = "lora") -> st
 def load_tokenizer(path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir():
+        # AutoTokenizer reads the directory's config.json too: a damaged one is refused here first, by name
+        check_model_files(Path(path), "model.name", "Restore or download the model again.")
+        check_remote_code(Path(path), path, "model.name", trust_remote_code)
+        check_config_numbers(Path(path), "model.name")  # transformers reads config.json with the tokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -72,7 +80,12 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
+    # use_safetensors: never a pickle (pytorch_model.bin), from a directory or from the hub
+    kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, use_safetensors=True)
+    if ref.is_local:
+        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
+        check_config_numbers(Path(ref.path), "model.name")
+        check_remote_code(Path(ref.path), ref.name, "model.name", trust_remote_code)
     if quantization == "nf4":
         _check_cpu_nf4(ref, device)
         try:
@@ -85,16 +98,69 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
         kwargs["device_map"] = {"": device if device == "cpu" else torch.cuda.current_device()}  # this rank's GPU
-    if ref.is_local:
-        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref.path, **kwargs)
+        with _report_held():
+            model = AutoModelForCausalLM.from_pretrained(ref.path, **kwargs)
     except OSError as e:
         raise UserError(f"could not load model weights from {ref.path}: {str(e).splitlines()[0]}", "model.name",
                         "Check the path or hub id.") from None
+    except RuntimeError as e:
+        if "mismatch" not in str(e):
+            raise
+        detail = _first_mismatch(Path(ref.path)) if ref.is_local else ""
+        raise UserError(f"the weights of {ref.name} do not have the shapes its {MODEL_CONFIG} describes"
+                        f"{f' ({detail})' if detail else ''}: {Path(ref.path) / MODEL_CONFIG} does not belong to "
+                        "these weights", "model.name", f"Restore the model's own {MODEL_CONFIG} (hidden_size, "
+                        "num_hidden_layers, vocab_size, ... as it was trained), or download the model again.") from None
     if quantization != "nf4":
         model.to(device)
     return model
+
+
+@contextmanager
+def _report_held():
+    """Hold transformers' log records while a model loads and let them out only if it loads: on weights that do
+    not fit the config it logs a long table and then raises, and delft's refusal is one paragraph."""
+    from transformers.utils import logging as hf_logging
+
+    held: list = []
+
+    def hold(record) -> bool:
+        held.append(record)
+        return False
+
+    handlers = hf_logging.get_logger().handlers
+    for h in handlers:
+        h.addFilter(hold)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(hold)
+    for record in held:  # only after a load that did not raise
+        hf_logging.get_logger().handle(record)
+
+
+def _first_mismatch(path: Path) -> str:
+    """'NAME is [a, b] in FILE, [c, d] by config.json' for the first weight whose shape the config contradicts
+    ("" when none is found): the model built on the meta device (no memory) against the safetensors headers."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            want = {k: list(v.shape) for k, v in
+                    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path))).state_dict().items()}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    have = list(sf.get_slice(k).get_shape())
+                    if k in want and want[k] != have:
+                        return f"{k} is {have} in {f.name}, {want[k]} by {MODEL_CONFIG}"
+    except Exception:  # the detail only: the refusal stands without it
+        return ""
+    return ""
 
 
 def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
@@ -302,12 +368,14 @@ def using_model(base: Optional[str], adapter: Optional[str] = None, device: str 
     finally:
         loaded.model = None
         free_memory()
+    signals.check()  # between two models: a Ctrl-C lost in a finalizer still stops the command
 
 
 def free_memory() -> None:
     """Return a dropped model's memory (the caller deletes its last reference first)."""
     import torch
 
-    gc.collect()
+    with signals.held():  # a signal raised inside a finalizer the pass runs would be lost
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

