@@ -6,7 +6,7 @@ every checkpoint, so a resumed run stops where the uninterrupted one would.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 LOWER_IS_BETTER = {"val_loss": True, "heldout_accuracy": False}
@@ -52,8 +52,10 @@ class Tracker:
         return asdict(self)
 
     def load(self, state: Optional[dict]) -> None:
+        known = {f.name for f in fields(self)}  # a checkpoint is someone's file: it sets only this class's fields
         for k, v in (state or {}).items():
-            setattr(self, k, v)
+            if k in known:
+                setattr(self, k, v)
 
     def summary(self, stopped_at: Optional[int]) -> dict:
         """What delft_run.json says: the best step and why, and where (and why) training stopped early."""
