@@ -38,7 +38,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
     Never overwrites a user's run without --force, and even then only later, once the model and data have
     loaded (``Trainer.open_run_dir``): a recipe mistake found while setting up must not cost the old run.
     Called with the run directory's lock held (delft.training.lock), so no other training is using it, and after
-    ``check_replaceable`` (run_training checks before the lock file is made beside the directory).
+    ``check_replaceable`` (run_training checks before the lock makes the directory and its lock file).
     """
     run_dir = Path(recipe.output.dir)
     if dist.is_main():  # the lock is held: a temporary of a process that is gone is a kill -9's leftover
