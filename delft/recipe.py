@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
+from delft.recipe_yaml import load_bounded, parse_overrides, read_text
 
 # Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
 EVAL_SEED_OFFSET = 1_000_003
@@ -46,6 +48,39 @@ class Section(BaseModel):
                 raise ValueError(f"{key} got the YAML boolean {value} (from yes/no/on/off/true/false), "
                                  f"which is not a {_kind(field.annotation)}")
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_value(cls, value, info: ValidationInfo):
+        """No NUL character in any text (no path, name or prompt holds one; the OS cuts paths at it), and no whole
+        number past 64 bits (a seed of 1e30 would overflow torch's generators deep inside training)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, dict) and _holds_section(annotation):
+            return value  # the section checks its own keys, so the message names the key
+        if _has_nul(value):
+            raise ValueError("holds a NUL character (\\0), which no path, name or text may hold")
+        if _whole(annotation):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 2 ** 63:
+                    raise ValueError("too large for a whole number (at most 2**63 - 1)")
+        return value
+
+
+def _has_nul(value) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return isinstance(value, (list, tuple)) and any(_has_nul(v) for v in value)
+
+
+def _holds_section(annotation) -> bool:
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in (annotation, *typing.get_args(annotation)))
+
+
+def _whole(annotation) -> bool:
+    """Whether a field holds whole numbers: int, Optional[int], a list or tuple of them."""
+    return annotation is int or any(_whole(a) for a in typing.get_args(annotation))
 
 
 def _accepts(annotation, value) -> bool:
@@ -261,7 +296,8 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up linearly.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 = off).")
-    seed: int = Field(0, description="Seeds the LoRA init, data order and dropout.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the LoRA init, data order and dropout (0 to "
+                      "2**32 - 1, numpy's range).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory).")
     logging_steps: int = Field(5, gt=0, description="Steps between log lines (metrics.jsonl).")
     eval_steps: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
@@ -388,6 +424,11 @@ class EvalConfig(Section):
         "dequantised) or llama.cpp (the file as people run it; the [gguf] extra). GGUF runs always use llama.cpp.")
 
 
+# Linux allows 4096-byte paths and 255-byte names; delft writes below the run directory (checkpoints/step-N/...)
+# and beside it (.NAME.lock, .NAME.tmp-PID-...), so a run directory's own path must leave room for those.
+MAX_RUN_PATH, MAX_RUN_NAME = 1024, 200
+
+
 class OutputConfig(Section):
     dir: str = Field("runs/quickstart", min_length=1, pattern=r"\S",
                      description="Run directory (relative to the current directory; ~ is your home).")
@@ -395,7 +436,15 @@ class OutputConfig(Section):
     @field_validator("dir")
     @classmethod
     def _home(cls, value: str) -> str:
-        return os.path.expanduser(value)
+        value = os.path.expanduser(value)
+        if len(os.fsencode(os.path.abspath(value))) > MAX_RUN_PATH:
+            raise ValueError(f"is {len(os.fsencode(os.path.abspath(value))):,} bytes long as an absolute path; a run "
+                             f"directory's path may be at most {MAX_RUN_PATH} (delft writes files below it)")
+        long = [n for n in Path(value).parts if len(os.fsencode(n)) > MAX_RUN_NAME]
+        if long:
+            raise ValueError(f"has a name of {len(os.fsencode(long[0])):,} bytes ({long[0][:20]}...); each name in "
+                             f"the path may be at most {MAX_RUN_NAME} (delft adds suffixes beside it)")
+        return value
 
 
 class Recipe(Section):
@@ -456,25 +505,6 @@ class Recipe(Section):
         return data
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["train.max_steps=50", "loss.type=ce"]`` -> nested dict; values parsed as YAML scalars."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--set {item!r} is not KEY=VALUE", fix="Write it as --set train.max_steps=50.")
-        key, _, raw = item.partition("=")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = out
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
-
-
 def _merge(base: dict, over: dict) -> dict:
     merged = dict(base)
     for k, v in over.items():
@@ -510,7 +540,8 @@ def describe_error(err: dict, root: Any = None) -> str:
         return f"{key}: unknown key; {hint}"
     msg = err["msg"].removeprefix("Value error, ")
     if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
-        return f"{key}: {msg} (got {err['input']!r})"
+        shown = repr(err["input"])
+        return f"{key}: {msg} (got {shown if len(shown) <= 100 else shown[:97] + '...'})"
     return f"{key}: {msg}"
 
 
@@ -531,46 +562,11 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
 BASE_KEY = "base"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML would silently keep the last)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1})",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def _recipe_text(path: Path) -> str:
-    """The file's text; a directory, an unreadable or binary file is a clear error."""
-    if path.is_dir():
-        raise UserError(f"recipe {path} is a directory", fix="Give the recipe's YAML file.")
-    if not path.is_file():
-        raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"recipe file {path} cannot be read ({e.strerror})", fix="Check its permissions.") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise UserError(f"is not a text (UTF-8) file: byte 0x{raw[e.start]:02x} at line {line}", str(path),
-                        "A recipe is a YAML text file; start from recipes/quickstart.yaml.") from None
-    if "\x00" in text:
-        raise UserError("is a binary file, not YAML", str(path), "Start from recipes/quickstart.yaml.")
-    return text
-
-
 def read_yaml(path: Path) -> dict:
-    text = _recipe_text(path)
+    """A recipe or study file as plain values, within recipe_yaml's bounds (size, no aliases, depth, keys once)."""
+    text = read_text(path)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = load_bounded(text, str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -16,7 +16,7 @@ FLOORS = [
     ("delft.rundir", "delft.outputs", "delft.children"),
     ("delft.numbers",),
     ("delft.losses",),
-    ("delft.recipe", "delft.recipe_keys", "delft.data", "delft.data_fields"),
+    ("delft.recipe", "delft.recipe_keys", "delft.data", "delft.data_fields", "delft.recipe_yaml"),
     ("delft.models",),
     ("delft.evaluation",),
     ("delft.training",),

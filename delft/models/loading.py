@@ -61,9 +61,9 @@ def load_tokenizer(path: str, revision: Optional[str] = None, trust_remote_code:
 
     if Path(path).is_dir():
         # AutoTokenizer reads the directory's config.json too: a damaged one is refused here first, by name
+        check_config_numbers(Path(path), "model.name")  # first: a number's key named, not transformers' error
         check_model_files(Path(path), "model.name", "Restore or download the model again.")
         check_remote_code(Path(path), path, "model.name", trust_remote_code)
-        check_config_numbers(Path(path), "model.name")  # transformers reads config.json with the tokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -83,8 +83,8 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
     # use_safetensors: never a pickle (pytorch_model.bin), from a directory or from the hub
     kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, use_safetensors=True)
     if ref.is_local:
-        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
         check_config_numbers(Path(ref.path), "model.name")
+        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
         check_remote_code(Path(ref.path), ref.name, "model.name", trust_remote_code)
     if quantization == "nf4":
         _check_cpu_nf4(ref, device)

@@ -133,7 +133,8 @@ def seed_step(seed: int, step: int) -> None:
         return
     import torch
 
-    torch.manual_seed((seed * 1_000_003 + rank()) * 1_000_003 + step)  # also seeds every CUDA device
+    # also seeds every CUDA device; modulo torch's 64-bit range, which train.seed up to 2**32 - 1 would pass
+    torch.manual_seed(((seed * 1_000_003 + rank()) * 1_000_003 + step) % 2**64)
 
 
 def _collective(what: str, fn, *args):

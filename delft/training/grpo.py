@@ -12,6 +12,7 @@ the clipped objective); delft's pieces are callbacks around it.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -81,7 +82,30 @@ def _import_reward(spec: str):
     if not callable(fn):
         raise UserError(f"grpo.reward_functions: {spec!r} is not a function", "grpo.reward_functions",
                         "Give 'module:function'.")
+    _check_reward_signature(spec, fn)
     return fn
+
+
+# The keyword arguments TRL 1.16's GRPOTrainer passes every reward function: its own, grpo_rows' columns (all but
+# "prompt"), and trainer_state, log_extra, log_metric.
+REWARD_KWARGS = ("prompts", "completions", "completion_ids", "answer", "gold_input_ids", "gold_labels",
+                 "trainer_state", "log_extra", "log_metric")
+
+
+def _check_reward_signature(spec: str, fn) -> None:
+    """A function that cannot take TRL's call is refused now, not with a TypeError after the model has loaded and
+    the first completions were sampled."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind(**dict.fromkeys(REWARD_KWARGS))
+    except TypeError as e:
+        raise UserError(f"{spec!r} has the signature {signature}, which cannot take TRL's "
+                        f"call ({e}): TRL passes the keyword arguments {', '.join(REWARD_KWARGS)}",
+                        "grpo.reward_functions", "Define it as def reward(completions, **kwargs) -> list[float] "
+                        "(one reward per completion; read what you need from kwargs).") from None
 
 
 def total_steps(recipe: Recipe, n_rows: int) -> int:
@@ -291,6 +315,7 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
     except ImportError:
         raise UserError("train.stage grpo runs TRL's GRPOTrainer, and trl is not installed", "train.stage",
                         'Install it: pip install "delft[trl]" (TRL 1.16).') from None
+    reward_setup(recipe)  # imports and checks grpo.reward_functions before the lock is taken and any model loads
     run = Path(recipe.output.dir)
     check_replaceable(run)
     check_writable(run)

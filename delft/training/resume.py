@@ -54,6 +54,11 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
                       "over.[/]")
         return run_dir, None, True
     if force and exists:
+        if run_dir.is_symlink():
+            raise UserError(f"{run_dir} is a symbolic link to {run_dir.resolve()}; --force replaces only a real run "
+                            "directory, never through a link", "output.dir",
+                            f"Name the directory itself (output.dir: {run_dir.resolve()}) to replace it, or choose "
+                            "another output.dir.")
         if not rundir.is_run_dir(run_dir):
             raise UserError(f"--force replaces only a delft run directory, and {run_dir} is not one (it has no "
                             f"{rundir.RUN_INFO})", "output.dir",
@@ -102,7 +107,12 @@ def check_steps_left(ckpt: Path, total_steps: int) -> None:
 
 
 def check_replaceable(run_dir: Path) -> None:
-    """Refuse an output.dir that is no place for a run: the current directory, one above it, home, a file."""
+    """Refuse an output.dir that is no place for a run: the current directory, one above it, home, a file, a
+    symbolic link to nothing (a dangling one or a loop: delft would make neither the link nor its target)."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise UserError(f"{run_dir} is a symbolic link to {os.readlink(run_dir)}, which does not exist (or loops)",
+                        "output.dir", "Remove the link, make the directory it points to, or choose another "
+                        "output.dir.")
     where = run_dir.expanduser().resolve()
     here = Path.cwd().resolve()
     if str(run_dir).strip() in ("", ".") or where == here or where in here.parents or where == Path.home().resolve():
