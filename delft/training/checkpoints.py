@@ -4,16 +4,15 @@ place, the free-space check before, and loading one back for an exact resume.
 
 from __future__ import annotations
 
-import errno
+import pickle
 import random
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 from delft import rundir
 from delft.errors import UserError
-from delft.outputs import follow_umask, staged
+from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 
 
 def rng_states() -> dict:
@@ -35,17 +34,7 @@ def check_free_space(where: Path, need: int, what: str) -> None:
                         "Free some space (the last checkpoint is kept) and run the same command again to resume.")
 
 
-@contextmanager
-def no_space_is_a_user_error(tmp: Path, what: str):
-    """A full disk while writing: remove the partial temporary folder and say so, instead of a traceback."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"the disk filled up while writing the {what} in {tmp.parent}", "output.dir",
-                        "Free some space and run the same command again; the last checkpoint is kept.") from None
+AGAIN = "run the same command again to resume (the last checkpoint is kept)"  # after a full disk in a run
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep: int,
@@ -60,7 +49,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": rng or rng_states(), "extra": extra or {}}
-    with staged(final) as tmp, no_space_is_a_user_error(tmp, "checkpoint"):
+    with staged(final) as tmp, no_space_is_a_user_error(final, "output.dir", AGAIN, partial=tmp):
         model.save_pretrained(tmp)
         torch.save(state, tmp / rundir.STATE_FILE)
         follow_umask(tmp)
@@ -93,13 +82,53 @@ def _load_weights(ckpt: Path, model) -> None:
                         f"{len(missing)} missing)", "output.dir", "Use --force to start over.")
 
 
+def load_data_only(path: Path, ckpt: Path):
+    """A torch file of a checkpoint read as data only: tensors, numbers, strings and containers of them
+    (``weights_only=True``). delft and transformers write nothing else there, so a file that holds other Python
+    objects was made by someone else, and unpickling it could run their code: it is refused, never loaded. A damaged
+    file raises as it is (the caller may fall back to an older checkpoint)."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):
+            raise
+        reason = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line), "")
+        raise UserError(f"{path} holds Python objects, not only tensors and numbers ({reason[:160]}); delft never "
+                        "writes such a file, and loading it could run code planted in it, so it was not loaded and "
+                        "nothing was deleted", "output.dir",
+                        f"Resume only runs you made. To resume from an older checkpoint, remove {ckpt} yourself; "
+                        "to start over, pass --force.") from None
+
+
+def check_data_only(ckpt: Path) -> None:
+    """Every torch file of a checkpoint written by transformers' Trainer (train.stage grpo), read as data before the
+    Trainer reads it: the same refusal as delft's own checkpoints. The numpy RNG state is allowed as transformers
+    allows it when it reads the file (its own allowlist), and nothing more."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    for path in sorted(ckpt.glob("*.pt")) + sorted(ckpt.glob("*.pth")):
+        with safe_globals():
+            load_data_only(path, ckpt)
+
+
+def read_state(ckpt: Path) -> dict:
+    """The checkpoint's optimizer, scheduler and RNG states (``load_data_only``)."""
+    path = ckpt / rundir.STATE_FILE
+    state = load_data_only(path, ckpt)
+    if not isinstance(state, dict) or not {"step", "optimizer", "scheduler", "rng"} <= state.keys():
+        raise ValueError(f"{path} is not a delft trainer state")  # damaged: the caller tries an older checkpoint
+    return state
+
+
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, extra: Optional[dict] = None) -> int:
     """Restore ``ckpt`` into the model, optimizer, scheduler and RNGs; ``extra`` gets what the trainer stored beside
     them (early stopping's state). Returns the step."""
     import torch
 
     _load_weights(ckpt, model)
-    state = torch.load(ckpt / rundir.STATE_FILE, weights_only=False)
+    state = read_state(ckpt)
     if extra is not None:
         extra.update(state.get("extra") or {})
     optimizer.load_state_dict(state["optimizer"])

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,8 +25,9 @@ from rich.console import Console
 
 from delft import rundir
 from delft.errors import UserError
-from delft.outputs import follow_umask, write_atomic
+from delft.outputs import append_line, follow_umask, write_atomic
 from delft.recipe import Recipe, dump_recipe
+from delft.training.checkpoints import AGAIN, check_data_only
 
 HF_CHECKPOINTS = ".hf"  # under checkpoints/: where transformers writes checkpoint-N before it is renamed
 
@@ -183,8 +183,7 @@ class RunDirCallback(_callback_base()):
         if not logs or "loss" not in logs:
             return control
         row = metrics_row(state.global_step, logs, self._rate(state, logs))
-        with open(self.run_dir / rundir.METRICS, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.run_dir / rundir.METRICS, json.dumps(row), "output.dir", AGAIN)
         self.console.print(self.line(row, state), highlight=False)
         return control
 
@@ -325,6 +324,7 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
         trainer, s, steps = build_trainer(recipe, run_dir, console, stops)
         if ckpt is not None:
             check_steps_left(ckpt, steps)
+            check_data_only(ckpt)  # before truncating metrics or touching the run: a planted file changes nothing
         if replace:
             console.print(f"[yellow]--force: replacing {run_dir}[/]")
             rundir.clear(run_dir)  # the directory stays: it holds the lock
@@ -337,8 +337,7 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
         if stops.received is not None:
             step = trainer.state.global_step
             rundir.update_info(run_dir, step=step, status=rundir.INTERRUPTED)
-            how = "Interrupted" if stops.received != signal.SIGTERM else "Stopped (SIGTERM)"
-            console.print(f"\n[yellow]{how}.[/] Saved {rundir.checkpoint_path(run_dir, step)} (step {step}/{steps}). "
+            console.print(f"\n[yellow]{stops.how}.[/] Saved {rundir.checkpoint_path(run_dir, step)} (step {step}/{steps}). "
                           f"Resume with: {resume_command}")
             raise SystemExit(stops.exit_code)
         finish(trainer, s, run_dir, console)

@@ -148,3 +148,39 @@ def test_smollm2_grpo_three_steps_log_and_resume_exactly(tmp_path, monkeypatch):
     cut = run_training(recipe("cut"), console=Console(quiet=True))
     a, b = adapter(straight), adapter(cut)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+class Planted:
+    """Unpickling this runs ``touch SENTINEL``: an object planted in a shared GRPO run's checkpoint."""
+
+    def __init__(self, sentinel):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+@pytest.mark.slow
+def test_a_pickled_object_in_a_trainer_checkpoint_is_refused_before_transformers_reads_it(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch):
+    """transformers' Trainer itself loads with weights_only=True; delft reads first, so the refusal is its own
+    paragraph (exit 2) and the run is left as it was."""
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    path = grpo_recipe(tmp_path, tiny_model_dir, "shared")
+    sigterm_after(2, monkeypatch)
+    with pytest.raises(SystemExit):
+        run_training(load_recipe(path), console=Console(quiet=True))
+    monkeypatch.undo()
+    rng_file = tmp_path / "shared" / "checkpoints" / "step-000002" / "rng_state.pth"
+    with safe_globals():  # numpy's RNG state, as transformers reads it
+        state = torch.load(rng_file, weights_only=True)
+    sentinel = tmp_path / "code-ran"
+    state["planted"] = Planted(sentinel)
+    torch.save(state, rng_file)
+    files = {p: p.read_bytes() for p in (tmp_path / "shared").rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match="holds Python objects") as refused:
+        run_training(load_recipe(path), console=Console(quiet=True))
+    assert "rng_state.pth" in str(refused.value) and not sentinel.exists()
+    assert {p: p.read_bytes() for p in (tmp_path / "shared").rglob("*") if p.is_file()} == files
