@@ -48,7 +48,11 @@ def run(cmd: list[str], owned=(), **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, **kwargs) under a guardian that removes ``owned`` (the paths the child writes) and
     kills the child when delft dies."""
     guardian = [sys.executable, str(Path(__file__).resolve()), json.dumps([str(p) for p in owned]), *cmd]
-    return subprocess.run(guardian, preexec_fn=lambda: on_parent_death(signal.SIGTERM), **kwargs)
+    try:
+        return subprocess.run(guardian, preexec_fn=lambda: on_parent_death(signal.SIGTERM), **kwargs)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: subprocess.run has killed the guardian, so the cleanup is ours
+        _remove([str(p) for p in owned])
+        raise
 
 
 def _remove(paths: list[str]) -> None:

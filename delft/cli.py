@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from delft import signals
 from delft.errors import UserError, VerificationError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -75,32 +76,52 @@ def friendly(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         quiet_libraries()
-        try:
-            return fn(*args, **kwargs)
-        except (UserError, VerificationError) as e:
-            if DEBUG:
-                raise
-            label = "error" if isinstance(e, UserError) else "verification failed"
-            from delft.training.distributed import report_error
-
-            if not report_error(str(e), e.exit_code):  # a --nproc worker leaves it to the parent, printed once
-                # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
-                err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code)
-        except KeyboardInterrupt:
-            if DEBUG:
-                raise
-            err_console.print("[yellow]interrupted[/] (nothing was left half-written)")
-            raise typer.Exit(130)
+        with signals.stop_on_signals():  # SIGTERM too: a message and exit 143, never a silent kill mid-write
+            return _reported(fn, *args, **kwargs)
 
     return wrapper
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from delft import __version__
+def _reported(fn, *args, **kwargs):
+    """``fn`` under ``friendly``'s rules (inside ``signals.stop_on_signals``, which records the signal)."""
+    try:
+        result = fn(*args, **kwargs)
+        signals.check()  # a signal whose exception a finalizer swallowed still ends the command
+        return result
+    except (UserError, VerificationError) as e:
+        if DEBUG:
+            raise
+        label = "error" if isinstance(e, UserError) else "verification failed"
+        from delft.training.distributed import report_error
 
-        console.print(f"delft {__version__}", highlight=False)
+        if not report_error(str(e), e.exit_code):  # a --nproc worker leaves it to the parent, printed once
+            # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
+            err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        if DEBUG:
+            raise
+        how = signals.received()
+        err_console.print(f"[yellow]{signals.describe(how)}[/] (nothing was left half-written)")
+        raise typer.Exit(signals.exit_code(how))
+
+
+def _print_version(value: bool) -> None:
+    """The distribution (``pip install delft-digits``) and its version; a warning when PyPI's unrelated ``delft``
+    package shares the environment, since both import as ``delft``."""
+    if value:
+        from importlib import metadata
+
+        from delft import DISTRIBUTION, __version__
+
+        console.print(f"{DISTRIBUTION} {__version__} (the delft command)", highlight=False)
+        try:
+            other = metadata.version("delft")
+        except metadata.PackageNotFoundError:
+            other = None
+        if other is not None:
+            err_console.print(f"[yellow]warning:[/] the package 'delft' {other} (another project on PyPI) is installed "
+                              "here too, and both import as delft. Remove it: pip uninstall delft", highlight=False)
         raise typer.Exit()
 
 
@@ -216,6 +237,9 @@ def export(
     gguf_check: Optional[bool] = typer.Option(
         None, "--gguf-check/--no-gguf-check",
         help="Load the GGUF files in llama.cpp and compare logits (default: when llama-cpp-python is installed)."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code",
+        help="Run Python code shipped with the base model or run (auto_map). Never read from the run's files."),
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
     from delft.export.checks import remove_export_leftovers
@@ -235,7 +259,8 @@ def export(
         return
     result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
                         device=device, force=force, console=console,
-                        gguf_bytes_per_param=plan.bytes_per_param if plan is not None else 0.0)
+                        gguf_bytes_per_param=plan.bytes_per_param if plan is not None else 0.0,
+                        trust_remote_code=trust_remote_code)
     if plan is not None:
         export_gguf(plan, result, console)
 

@@ -9,6 +9,7 @@ path that cannot be written must be refused first, not after every model was eva
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -109,9 +110,65 @@ def staged(path: Path, suffix: str = "", shared: Optional[Callable[[Path], bool]
     try:
         yield tmp
         publish(tmp, path, shared)
-    except BaseException:
+    except BaseException as e:
         remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(path) from None
         raise
+
+
+NO_SPACE = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """A full disk or quota: an OSError, or the plain exception Rust writers raise (tokenizers' tokenizer.json,
+    safetensors), which only say "(os error 28)" in their text."""
+    if isinstance(e, UserError):
+        return False  # already said
+    if isinstance(e, OSError):
+        return e.errno in NO_SPACE
+    text = str(e)
+    return isinstance(e, Exception) and any(f"(os error {n})" in text or why in text for n, why in NO_SPACE.items())
+
+
+def disk_full(path: Path, where: Optional[str] = None, then: str = "run the same command again") -> UserError:
+    """The one paragraph for a write that found the disk (or the quota) full."""
+    return UserError(f"the disk is full (or your quota used up): {path} could not be written, and nothing was left "
+                     "half-written", where, f"Free some space, then {then}.")
+
+
+@contextmanager
+def no_space_is_a_user_error(path: Path, where: Optional[str] = None, then: str = "run the same command again",
+                             partial: Optional[Path] = None) -> Iterator[None]:
+    """A full disk while the block writes ``path``: ``partial`` (a temporary being filled) removed, then
+    ``disk_full``'s paragraph instead of a traceback. Other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        if partial is not None:
+            remove(partial)
+        raise disk_full(path, where, then) from None
+
+
+def append_line(path: Path, line: str, where: Optional[str] = None, then: str = "run the same command again") -> None:
+    """``line`` and a newline appended to a log (metrics.jsonl) whole or not at all: when the disk fills midway,
+    the bytes that went in are cut off again, so no half line is left for a reader."""
+    data = memoryview((line + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            os.ftruncate(fd, start)
+            raise disk_full(path, where, then) from None
+    finally:
+        os.close(fd)
 
 
 def tables_console():

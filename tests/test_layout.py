@@ -13,7 +13,7 @@ PACKAGE = REPO / "delft"
 # Floors, lowest first: a module may import from its own floor or below, never from above.
 FLOORS = [
     ("delft", "delft.errors"),
-    ("delft.rundir", "delft.outputs", "delft.children"),
+    ("delft.rundir", "delft.outputs", "delft.children", "delft.signals"),
     ("delft.numbers",),
     ("delft.losses",),
     ("delft.recipe", "delft.recipe_keys", "delft.data", "delft.data_fields", "delft.recipe_yaml"),

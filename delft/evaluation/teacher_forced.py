@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from delft.numbers.digits import place_name
-from delft.outputs import num, pct
+from delft.outputs import num, pct, staged
 
 CHUNK_POSITIONS = 256  # completion positions whose full-vocabulary logits exist at once
 
@@ -302,4 +302,5 @@ def write_teacher_plot(names: Sequence[str], summaries: Sequence[dict], path: Pa
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with staged(path, path.suffix) as tmp:  # whole or not at all; a full disk is one paragraph (the suffix: the format)
+        fig.savefig(tmp)

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from rich.console import Console
 
-from delft import __version__
+from delft import __version__, signals
 from delft.errors import UserError
 from delft.outputs import check_output_dir, num, pct, result_set, tables_console, write_result
 from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
@@ -546,6 +546,7 @@ def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Co
             cfg = c.for_seed(seed)
             runs[(c.name, seed)] = Path(cfg.output.dir)
             training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command)}
+            signals.check()  # a Ctrl-C lost in a finalizer after this run still stops before the next one
     return runs, training
 
 

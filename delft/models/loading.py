@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from delft import signals
 from delft.errors import UserError
 from delft.models.config_numbers import check_config_numbers
 from delft.models.remote_code import check_remote_code
@@ -25,7 +26,6 @@ from delft.rundir import (
     is_merged_model,
     tokenizer_source,
 )
-from delft.training import signals
 
 
 def resolve_device(pref: str) -> str:

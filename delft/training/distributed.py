@@ -282,11 +282,18 @@ def _raise_reported(report: Path) -> None:
 
 
 def _wait(proc) -> str:
-    """torchrun's stderr once it has exited; Ctrl-C while waiting keeps waiting (the workers are saving)."""
+    """torchrun's stderr once it has exited; Ctrl-C while waiting keeps waiting (the workers are saving). A
+    SIGTERM sent to this process alone is passed on (the terminal sends Ctrl-C to all of them itself)."""
+    import signal
+
+    from delft import signals
+
     while True:
         try:
             return proc.communicate()[1] or ""
         except KeyboardInterrupt:
+            if signals.received() == signal.SIGTERM:
+                proc.send_signal(signal.SIGTERM)
             continue
 
 

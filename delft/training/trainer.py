@@ -13,7 +13,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,17 +20,17 @@ from typing import Optional
 
 from rich.console import Console
 
-from delft import rundir
+from delft import rundir, signals
 from delft.errors import UserError
-from delft.outputs import follow_umask, staged, write_atomic
+from delft.outputs import append_line, follow_umask, no_space_is_a_user_error, staged, write_atomic
 from delft.recipe import Recipe, dump_recipe
 from delft.training import distributed as dist
 from delft.training.best import BEST_DIR, BEST_INFO, Tracker
 from delft.training.checkpoints import (
+    AGAIN,
     adapter_bytes,
     check_free_space,
     load_checkpoint,
-    no_space_is_a_user_error,
     rng_states,
     save_checkpoint,
 )
@@ -49,6 +48,7 @@ from delft.training.signals import StopSignals
 from delft.training.step import evaluate_loss, optimizer_step
 
 
+FINAL_TMP = ".final-tmp"  # the final files, written whole before they are moved to the top of the run
 INITIAL_ADAPTER = "initial_adapter"  # lora.init pissa/olora: the init, for the conversion at save time
 
 
@@ -194,8 +194,7 @@ class Trainer:
     def _append_metrics(self, row: dict) -> None:
         if not dist.is_main():
             return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.metrics_path, json.dumps(row), "output.dir", AGAIN)
         if self.reporters is not None:
             self.reporters.log(row)
 
@@ -334,7 +333,7 @@ class Trainer:
         (staged; the free space checked first)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         check_free_space(path.parent, adapter_bytes(self.model) + 2**24, what)
-        with staged(path) as tmp, no_space_is_a_user_error(tmp, what):
+        with staged(path) as tmp, no_space_is_a_user_error(path, "output.dir", AGAIN, partial=tmp):
             self.save_model(tmp)
             also(tmp)
             follow_umask(tmp)
@@ -346,31 +345,52 @@ class Trainer:
             rundir.update_info(self.run_dir, step=self.step, status=rundir.INTERRUPTED, loss_path=self.loss.path_ran)
         else:
             path = self.save(rundir.INTERRUPTED)
-        how = "Interrupted" if self.stops.received != signal.SIGTERM else "Stopped (SIGTERM)"
-        self.console.print(f"\n[yellow]{how}.[/] Saved {path} (step {self.step}/{self.schedule.total_steps}). "
+        self.console.print(f"\n[yellow]{self.stops.how}.[/] Saved {path} (step {self.step}/{self.schedule.total_steps}). "
                            f"Resume with: {resume_command}")
         raise SystemExit(self.stops.exit_code)
 
-    def finish(self) -> None:
+    def finish(self, resume_command: str = "delft train RECIPE.yaml") -> None:
         """Adapter (or, fully fine-tuned, the model) and tokenizer at the top of the run directory:
-        PeftModel.from_pretrained(run_dir) (or AutoModelForCausalLM.from_pretrained(run_dir)) loads it."""
+        PeftModel.from_pretrained(run_dir) (or AutoModelForCausalLM.from_pretrained(run_dir)) loads it.
+        Ctrl-C or SIGTERM while they are written saves the last step as a checkpoint instead (the resumed run
+        writes them); once they go into place, the signal waits for the run to be complete."""
         if not dist.is_main():
             return
-        run_dir = self.run_dir
-        tmp = run_dir / ".final-tmp"
+        with self.stops:
+            try:
+                tmp, best = self.write_final()
+            except KeyboardInterrupt:
+                shutil.rmtree(self.run_dir / FINAL_TMP, ignore_errors=True)
+                self.save_interrupted(resume_command)
+            try:
+                with self.stops.atomic():
+                    self.commit_final(tmp, best)
+            except KeyboardInterrupt:
+                self.console.print(f"\n[yellow]{self.stops.how}.[/] The run had just finished: {self.run_dir} "
+                                   "is complete.")
+                raise SystemExit(self.stops.exit_code) from None
+
+    def write_final(self) -> tuple[Path, Optional[Path]]:
+        """The final model (or adapter) and tokenizer in FINAL_TMP: (that folder, best/ when its files were used)."""
+        tmp = self.run_dir / FINAL_TMP
         shutil.rmtree(tmp, ignore_errors=True)
         what = "model" if self.recipe.train.finetuning == "full" else "adapter"
-        check_free_space(run_dir, adapter_bytes(self.model) + 2**24, f"{what} and tokenizer")
+        check_free_space(self.run_dir, adapter_bytes(self.model) + 2**24, f"{what} and tokenizer")
         if what == "model":
             self.model.config.use_cache = True  # as a loaded model expects (training turned it off)
         best = self.best_dir()
-        with no_space_is_a_user_error(tmp, what):
+        with no_space_is_a_user_error(self.run_dir, "output.dir", AGAIN, partial=tmp):
             if best is not None:  # keep_best: the best step's files, not the last step's
                 shutil.copytree(best, tmp, ignore=shutil.ignore_patterns(BEST_INFO))
             else:
                 self.save_model(tmp)
             self.s.tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
+        return tmp, best
+
+    def commit_final(self, tmp: Path, best: Optional[Path]) -> None:
+        """Move the final files into place, plot the loss curve, mark the run completed and drop its checkpoints."""
+        run_dir = self.run_dir
         for f in tmp.iterdir():
             os.replace(f, run_dir / f.name)
         tmp.rmdir()
@@ -386,6 +406,7 @@ class Trainer:
         shutil.rmtree(run_dir / BEST_DIR, ignore_errors=True)
         if self.initial_adapter is not None:
             shutil.rmtree(self.initial_adapter, ignore_errors=True)
+        what = "model" if self.recipe.train.finetuning == "full" else "adapter"
         self.console.print(f"[bold green]done[/] {what}, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
 
 
@@ -406,17 +427,52 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     console = dist.rank_console(console or Console())
     check_replaceable(Path(recipe.output.dir))
     check_writable(Path(recipe.output.dir))  # the lock file goes in the run directory
-    with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
-        run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
-        random.seed(recipe.train.seed)
-        s = setup(recipe)
-        model, dtype, kernels = build_model(s, console)
-        describe(s, model, dtype, console)
-        trainer = Trainer(s, model, dtype, run_dir, console)
-        if ckpt is not None:  # the total is known now, also when train.epochs sets it; nothing is changed yet
-            check_steps_left(ckpt, trainer.schedule.total_steps)
-        dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
-        trainer.open_run_dir(ckpt, replace, kernels)
-        trainer.train(resume_command)
-        trainer.finish()
-    return run_dir
+    state: dict = {"opened": None, "done": False}  # the Trainer once its run directory is replaced or resumed
+    try:
+        with run_lock(Path(recipe.output.dir)) as lock:  # before anything in the directory is read or deleted
+            try:
+                trainer = _opened(recipe, resume, force, console, lock.stale_pid, resume_command, state)
+                trainer.train(resume_command)
+                trainer.finish(resume_command)
+                state["done"] = True
+            except KeyboardInterrupt:  # between the loop and the final write: the last step is saved, locked
+                if state["opened"] is not None and not state["done"]:
+                    with state["opened"].stops:
+                        state["opened"].save_interrupted(resume_command)
+                raise
+    except KeyboardInterrupt:  # while the lock is taken or the model and data load (or once all is done)
+        if state["done"]:
+            raise
+        console.print(f"\n[yellow]{signals.describe(signals.received())}.[/] Training had not begun: nothing in "
+                      f"{recipe.output.dir} was changed. Resume with: {resume_command}")
+        raise SystemExit(signals.exit_code(signals.received())) from None
+    return trainer.run_dir
+
+
+def _opened(recipe: Recipe, resume: Optional[bool], force: bool, console: Console, stale_pid: Optional[int],
+            resume_command: str, state: dict) -> Trainer:
+    """The Trainer, its run directory replaced or resumed (``state["opened"]`` then holds it): a signal during that
+    waits for its end and then saves a checkpoint, so the directory is never left half done."""
+    run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, stale_pid)
+    trainer, kernels = _loaded(recipe, run_dir, ckpt, console)
+    try:
+        with signals.held():
+            trainer.open_run_dir(ckpt, replace, kernels)
+            state["opened"] = trainer
+    except KeyboardInterrupt:
+        with trainer.stops:
+            trainer.save_interrupted(resume_command)
+    return trainer
+
+
+def _loaded(recipe: Recipe, run_dir: Path, ckpt: Optional[Path], console: Console) -> tuple[Trainer, list[str]]:
+    """The run's data, model and Trainer, read before anything in the run directory changes: (trainer, kernels)."""
+    random.seed(recipe.train.seed)
+    s = setup(recipe)
+    model, dtype, kernels = build_model(s, console)
+    describe(s, model, dtype, console)
+    trainer = Trainer(s, model, dtype, run_dir, console)
+    if ckpt is not None:  # the total is known now, also when train.epochs sets it; nothing is changed yet
+        check_steps_left(ckpt, trainer.schedule.total_steps)
+    dist.barrier("setup")  # every rank has read the run directory before rank 0 replaces or resumes it
+    return trainer, kernels
