@@ -120,8 +120,9 @@ def _print_version(value: bool) -> None:
         except metadata.PackageNotFoundError:
             other = None
         if other is not None:
-            err_console.print(f"[yellow]warning:[/] the package 'delft' {other} (another project on PyPI) is installed "
-                              "here too, and both import as delft. Remove it: pip uninstall delft", highlight=False)
+            err_console.print(f"[yellow]warning:[/] a package named 'delft' ({other}: PyPI's unrelated project, or this "
+                              "one from before its rename) is installed here too, and both import as delft. Remove it: "
+                              "pip uninstall delft", highlight=False)
         raise typer.Exit()
 
 
@@ -333,8 +334,20 @@ def recipe_check(
     from rich.syntax import Syntax
 
     from delft.recipe import dump_recipe, load_recipe
+    from delft.training.plan import parse_memory
+    from delft.training.precheck import check_before_loading
 
+    if gpu_memory is not None:
+        parse_memory(gpu_memory)  # a bad budget is refused before the plan is worked out and printed
     cfg = load_recipe(recipe, set_)
+    try:
+        check_before_loading(cfg)  # train's own checks before loading: "valid" means train gets past them here
+    except UserError as e:
+        if not plan:
+            raise
+        # --plan often sizes a run for another machine (its GPU, its packages): say it, and plan anyway
+        console.print(f"[yellow]note:[/] train would refuse this recipe on this machine: {escape(str(e))}",
+                      highlight=False, soft_wrap=True)
     console.print(f"[green]ok[/] {recipe}: valid recipe")
     console.print(Syntax(dump_recipe(cfg), "yaml", theme="ansi_dark", background_color="default"))
     if plan:

@@ -103,7 +103,7 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- reasoning-gym
 
 
-RG_INSTALL = 'pip install "delft[reasoning]" (reasoning-gym, whose generators need no download)'
+RG_INSTALL = 'pip install "delft-digits[reasoning]" (reasoning-gym, whose generators need no download)'
 
 
 def reasoning_gym_dataset(cfg, where: str = "data"):
@@ -150,11 +150,17 @@ def reasoning_gym_examples(cfg, where: str = "data") -> list[Example]:
 # ----------------------------------------------------------------------------- reading rows
 
 
+def is_data_file(source: str) -> bool:
+    """Whether a data.source (of a format that reads rows) names a file here rather than a hub dataset."""
+    path = Path(source).expanduser()
+    return path.suffix.lower() in LOCAL_LOADERS or path.exists() or path.is_symlink()
+
+
 def _load_rows(cfg, where: str) -> tuple[list[dict], str]:
     """Rows as dicts and a label for messages ("data.jsonl")."""
     source = cfg.source
     path = Path(source).expanduser()
-    if path.suffix.lower() in LOCAL_LOADERS or path.exists() or path.is_symlink():
+    if is_data_file(source):
         check_data_path(path, source, where)
         suffix = path.suffix.lower()
         if suffix == ".jsonl":

@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -26,6 +27,24 @@ from delft.numbers.tokens import IGNORE
 # ../shared beside the checkout. Sources and licenses: tests/data/README.md.
 DATA = Path(__file__).resolve().parent / "data"
 REPO = Path(__file__).resolve().parent.parent  # the checkout: recipes/, docs/, README.md
+
+
+# The optional extras (README: "Two optional steps"), the module each test of one needs, and its install command.
+EXTRAS = {
+    "gguf": ("llama_cpp", 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install -e ".[gguf]"'),
+    "axolotl": ("axolotl.integrations.base", 'pip install --no-deps "axolotl==0.19.0" addict'),
+}
+SKIPPED_EXTRA = "optional extra ["  # how a skip for a missing extra starts: found again in strict mode
+
+
+def extra_missing(extra: str) -> str:
+    """Why the extra's tests cannot run here ("" when its module imports)."""
+    module, command = EXTRAS[extra]
+    try:
+        import_module(module)
+    except Exception as e:  # installed but broken (a protobuf clash, a missing library) counts as missing
+        return f"{SKIPPED_EXTRA}{extra}] is not usable here ({type(e).__name__}: {e}); install it with: {command}"
+    return ""
 
 
 def write_yaml(path: Path, data: dict) -> Path:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 from delft.errors import UserError
 from delft.models.sources import check_gguf_magic
 
-GGUF_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install "delft[gguf]"'
+GGUF_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install "delft-digits[gguf]"'
 CHILD = [sys.executable, "-m", "delft.evaluation.gguf_backend"]  # tests put a stand-in that crashes
 CONTEXT_MARGIN = 16  # tokens beyond the longest prompt and the answer budget (llama.cpp may count a few more)
 

@@ -313,7 +313,7 @@ def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
         import trl  # noqa: F401
     except ImportError:
         raise UserError("train.stage grpo runs TRL's GRPOTrainer, and trl is not installed", "train.stage",
-                        'Install it: pip install "delft[trl]" (TRL 1.16).') from None
+                        'Install it: pip install "delft-digits[trl]" (TRL 1.16).') from None
     reward_setup(recipe)  # imports and checks grpo.reward_functions before the lock is taken and any model loads
     run = Path(recipe.output.dir)
     check_replaceable(run)

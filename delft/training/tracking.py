@@ -9,6 +9,8 @@ Each backend is an extra (tensorboard, wandb, mlflow); a missing one is refused 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Optional
@@ -17,18 +19,27 @@ from delft.errors import UserError
 
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}  # name -> (module, pip package)
+IMPORTS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # what Reporters imports
 TENSORBOARD_DIR, MLFLOW_DIR = "tensorboard", "mlruns"  # in the run directory
 
 
 def check_backends(names: list[str]) -> None:
-    """Refuse a backend whose package is missing, before the model loads."""
-    import importlib.util
-
+    """Refuse a backend whose package is missing or fails to import (a protobuf clash, a broken install), before
+    the model loads: found only when the run starts, it would end in a traceback with the run directory begun."""
     for name in names:
         module, package = BACKENDS[name]
         if importlib.util.find_spec(module) is None:
             raise UserError(f"train.report_to lists {name}, but {package} is not installed", "train.report_to",
-                            f"pip install \"delft[{name}]\" (or {package}), or drop {name} from train.report_to.")
+                            f"pip install \"delft-digits[{name}]\" (or {package}), or drop {name} from "
+                            "train.report_to.")
+        try:
+            importlib.import_module(IMPORTS[name])
+        except Exception as e:  # anything a package's import raises: ImportError, protobuf's TypeError, ...
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"train.report_to lists {name}, but {package} is installed and fails to import "
+                            f"({type(e).__name__}: {why})", "train.report_to",
+                            f"Repair it (pip install --force-reinstall {package}; `pip check` names a clashing "
+                            f"package such as protobuf), or drop {name} from train.report_to.") from None
 
 
 def _scalars(row: dict) -> dict[str, float]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("axolotl.integrations.base", reason="axolotl's plugin interface is not installed: "
-                    "pip install --no-deps axolotl==0.19.0 addict")
+from helpers import extra_missing  # noqa: E402
+
+if extra_missing("axolotl"):  # the module imports axolotl at its top: skipped whole, with the install command
+    pytest.skip(extra_missing("axolotl"), allow_module_level=True)
 
 import torch
 from axolotl.integrations.base import BasePlugin, PluginManager

@@ -62,5 +62,5 @@ def test_a_missing_backend_is_refused_before_training(tmp_path, tiny_model_dir, 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     res = run_cli("train", recipe_file(tmp_path, tiny_model_dir, train={"report_to": ["wandb"]}))
-    assert res.exit_code == 2 and 'pip install "delft[wandb]"' in res.output
+    assert res.exit_code == 2 and 'pip install "delft-digits[wandb]"' in res.output
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
