@@ -21,6 +21,7 @@ from typing import Literal
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, Field
 
+from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
 from delft.recipe import LossConfig
 
@@ -87,4 +88,5 @@ class DigitLossPlugin(BasePlugin):
             raise TypeError(f"digit_loss is set but the trainer is {type(trainer).__name__}, not a DigitLossMixin: "
                             "another plugin's get_trainer_cls came first (list DigitLossPlugin first in plugins:, "
                             "or drop the other trainer)")
-        trainer.configure_digit_loss(loss_options(cfg.digit_loss), tokenizer=trainer.processing_class)
+        with callers_words("set type: ce under digit_loss: in the axolotl config (CE alone), or drop the block"):
+            trainer.configure_digit_loss(loss_options(cfg.digit_loss), tokenizer=trainer.processing_class)

@@ -7,7 +7,9 @@ One forward serves both terms: TRL's fused LM head (``model(..., fused_lm_head=T
 log-probabilities of the labels without building logits, and the same forward's last hidden states (captured from
 the decoder) give the digit term from the output layer's number-token rows. So completion-only and packed datasets,
 ``padding_free`` and ``use_liger_kernel`` (its layer kernels) work as they do in TRL, and TRL's ``compute_loss_func``
-(deprecated in 1.16, and a second forward) is not used. Normalisation as ``delft.integrations.hf``.
+(deprecated in 1.16, and a second forward) is not used. Normalisation as ``delft.integrations.hf``. TRL's
+``loss_type="dft"`` is applied as TRL applies it (the CE part, logged as ``ce``, is then DFT's); label smoothing and
+a ``compute_loss_func`` are refused (delft.losses.misuse).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class DigitSFTTrainer(DigitLossMixin, _sft_trainer()):
         hidden = captured["hidden"]
         hidden = hidden[:, :-1] if drop else hidden
         loss = self.digit_loss.loss
-        ce_sum = -outputs.log_probs.float().sum()  # zero on ignored positions
+        log_probs = outputs.log_probs.float()  # zero on ignored positions
+        if getattr(self.args, "loss_type", "nll") == "dft":  # TRL's DFT (arXiv 2508.05629): CE x detached p
+            log_probs = log_probs * log_probs.exp().detach()
+        ce_sum = -log_probs.sum()
         counts = loss.count(labels)
         if not loss.has_term:
             from delft.losses.loss import Sums

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from delft.losses.loss import Loss, Sums
+from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
 from delft.losses.terms import compute_dtype
 from delft.numbers.tokens import IGNORE, NumberVocab, number_targets
@@ -87,7 +88,8 @@ class DigitLoss(nn.Module):
         if vocab is None and LOSS_TYPES[type].has_term:
             if tokenizer is None:
                 raise ValueError("pass a tokenizer or vocab=NumberVocab(...)")
-            vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"DigitLoss(type={type!r})")
+            with callers_words("build DigitLoss(tokenizer, type='ce') (CE alone)"):
+                vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"DigitLoss(type={type!r})")
         self.vocab = vocab
         weight = LOSS_TYPES[type].default_weight if weight is None else float(weight)
         self.loss = Loss(type, weight, vocab, chunk_size=chunk_size, **options)  # unknown options: ValueError
@@ -113,7 +115,8 @@ class _DigitLoss(nn.Module):
         if vocab is None:
             if tokenizer is None:
                 raise ValueError("pass a tokenizer or vocab=NumberVocab(...)")
-            vocab = NumberVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
+            with callers_words("train with CE alone (no digit term)"):
+                vocab = NumberVocab.from_tokenizer(tokenizer, purpose=type(self).__name__)
         self.vocab = vocab
         self.loss = Loss(loss_type, 1.0, vocab, **params)
 

@@ -10,13 +10,18 @@
 The ``partial`` reward is both: ``exact`` plus alpha x ``digits``, each normalised within its group before they are
 summed (TRL's ``multi_objective_aggregation="normalize_then_sum"`` with ``reward_weights=[1, alpha]``), so partial
 credit cannot outweigh correctness. No torch here.
+
+Both read the gold number from the row's ``answer`` column; ``functools.partial(exact_reward, answer_column="final")``
+reads another (TRL logs a partial under its function's name), and rows without the column are refused by name.
 """
 
 from __future__ import annotations
 
+import functools
 from decimal import Decimal
 from typing import Any, Optional, Sequence
 
+from delft.errors import UserError
 from delft.numbers.answers import PLAIN_STOP_STRINGS, canonical, exact_match, extract_answer, parse_number
 from delft.numbers.digits import digits_by_place, place_weight
 
@@ -58,16 +63,39 @@ def _reward(scorer, completions: Sequence[Any], answer: Sequence[Any], stops) ->
     return out
 
 
-def exact_reward(completions: Sequence[Any], answer: Sequence[Any], stops=PLAIN_STOP_STRINGS, **kwargs
-                 ) -> list[Optional[float]]:
-    """TRL reward function ``exact``: 1.0 when the completion's number equals the row's ``answer``, else 0.0."""
-    return _reward(exact_match, completions, answer, stops)
+def _gold_column(answer, answer_column: str, columns: dict, reward: str) -> Sequence[Any]:
+    """The gold numbers: TRL passes every dataset column as a keyword, so the one named ``answer_column``."""
+    gold = answer if answer_column == "answer" else columns.get(answer_column)
+    if gold is None:
+        seen = sorted(k for k in columns if k not in ("prompts", "completion_ids", "trainer_state", "log_extra",
+                                                       "log_metric", "environments"))
+        raise UserError(f"the reward {reward!r} reads the gold number from the column {answer_column!r}, which the "
+                        f"rows do not have (their other columns: {', '.join(seen) or 'none'})",
+                        fix="Add that column, or read another: functools.partial(exact_reward, "
+                        "answer_column=\"your_column\").")
+    return gold
 
 
-def digit_reward(completions: Sequence[Any], answer: Sequence[Any], stops=PLAIN_STOP_STRINGS, **kwargs
-                 ) -> list[Optional[float]]:
+def exact_reward(completions: Sequence[Any], answer: Optional[Sequence[Any]] = None, stops=PLAIN_STOP_STRINGS, *,
+                 answer_column: str = "answer", **kwargs) -> list[Optional[float]]:
+    """TRL reward function ``exact``: 1.0 when the completion's number equals the row's ``answer`` (or
+    ``answer_column``), else 0.0."""
+    return _reward(exact_match, completions, _gold_column(answer, answer_column, kwargs, "exact"), stops)
+
+
+def digit_reward(completions: Sequence[Any], answer: Optional[Sequence[Any]] = None, stops=PLAIN_STOP_STRINGS, *,
+                 answer_column: str = "answer", **kwargs) -> list[Optional[float]]:
     """TRL reward function ``digits``: the place-weighted share of the answer's digits that are right."""
-    return _reward(digit_share, completions, answer, stops)
+    return _reward(digit_share, completions, _gold_column(answer, answer_column, kwargs, "digits"), stops)
 
 
 exact_reward.__name__, digit_reward.__name__ = "exact", "digits"  # the names TRL logs (rewards/exact/mean)
+
+
+def answer_column_of(reward) -> Optional[str]:
+    """The column a delft reward (or a ``functools.partial`` of one) reads the gold from; None for others."""
+    column = None
+    while isinstance(reward, functools.partial):
+        column = column or reward.keywords.get("answer_column")
+        reward = reward.func
+    return (column or "answer") if reward in (exact_reward, digit_reward) else None

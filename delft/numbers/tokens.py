@@ -33,6 +33,17 @@ IGNORE = -100
 
 _FIX = ("Use a model whose tokenizer writes numbers as digit-only tokens (Qwen2/2.5, SmolLM2, Llama-2, Mistral, "
         "Llama-3.x) or set loss.type: ce.")
+FIT_MODELS = "Use a model whose tokenizer writes numbers as digit-only tokens (Qwen2/2.5, SmolLM2, Llama-2, Mistral, " \
+             "Llama-3.x)"  # the first half of every caller's fix; the second half is CE alone in its own words
+
+
+class UnfitTokenizer(UserError):
+    """A tokenizer no digit loss is defined for. Its ``fix`` is in recipe words (``loss.type: ce``); a library
+    caller re-raises it in its own (``reworded``)."""
+
+    def reworded(self, ce_alone: str) -> "UnfitTokenizer":
+        """The same refusal whose fix names CE alone as the caller spells it (``digit_loss={"type": "ce"}``)."""
+        return UnfitTokenizer(self.what, self.where, f"{FIT_MODELS}, or {ce_alone}.")
 
 
 def _name(tokenizer) -> str:
@@ -51,10 +62,14 @@ def _digit_bearing(tokenizer) -> dict[int, str]:
     Raw token strings keep ASCII digits as they are (byte-level BPE maps printable ASCII to itself;
     SentencePiece pieces and byte fallback "<0x31>" spell them), so only those are decoded.
     """
-    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     out = {}
     for raw, tid in tokenizer.get_vocab().items():
-        if tid in added or not any("0" <= c <= "9" for c in raw):
+        if not any("0" <= c <= "9" for c in raw):
+            continue
+        # An added token that is one digit stays a number token (ntloss.NTLoss registers '0'..'9' as added tokens
+        # on the caller's tokenizer, ids unchanged); from_tokenizer still keeps it only if encoding emits it.
+        if tid in added and getattr(added[tid], "content", str(added[tid])) not in tuple(DIGITS):
             continue
         text = tokenizer.decode([tid], clean_up_tokenization_spaces=False)
         if any(c in DIGITS for c in text):
@@ -80,7 +95,7 @@ def _refuse_glued(tokenizer, glued: dict[int, str], purpose: str) -> None:
         if len(reachable) >= 5:
             break
     if reachable:
-        raise UserError(
+        raise UnfitTokenizer(
             f"tokenizer {_name(tokenizer)!r} writes digits glued to other characters in one token (for example "
             f"{', '.join(reachable[:5])}), so {purpose} is undefined for it: a digit loss needs every digit in "
             "a token of digits only", fix=_FIX)
@@ -141,7 +156,7 @@ class NumberVocab:
         if missing or None in pieces or "".join(pieces) != probe:
             what = (f"has no single token for the digit(s) {', '.join(missing)}" if missing else
                     f"does not write {probe!r} with digit-only tokens (got {pieces})")
-            raise UserError(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
+            raise UnfitTokenizer(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
         order = sorted(numbers.items(), key=lambda kv: (len(kv[1]), kv[1], kv[0]))
         return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _char_id(tokenizer, "."),
                    _char_id(tokenizer, ","))

@@ -22,6 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from delft.errors import UserError
+from delft.losses.misuse import callers_words, check_number_rows, output_layer
+from delft.numbers.rewards import answer_column_of
+
+GOLD_COLUMNS = ("gold_input_ids", "gold_labels")
+
 
 def _grpo_trainer():
     from trl import GRPOTrainer
@@ -45,6 +51,11 @@ def mu_at(step: int, total: int, mu: float, mu_end: Optional[float]) -> float:
     return mu + (mu_end - mu) * min(1.0, step / (total - 1))
 
 
+_COLUMNS_FIX = ("Build the gold columns from TRL's prompt/completion columns with delft.integrations.grpo."
+                "add_gold_columns(dataset, tokenizer), or pass aux_mu=0 (GRPO alone); for delft's rewards, add the "
+                "answer column or read another: functools.partial(exact_reward, answer_column=...).")
+
+
 class DigitGRPOTrainer(_grpo_trainer()):
     """TRL's ``GRPOTrainer`` plus mu x delft's SFT loss on the gold solutions (see the module docstring)."""
 
@@ -54,9 +65,30 @@ class DigitGRPOTrainer(_grpo_trainer()):
         from delft.losses.modules import DigitLoss
 
         opts = dict(digit_loss or {"type": "ce"})
-        self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
+        with callers_words('pass digit_loss={"type": "ce"} to DigitGRPOTrainer (CE alone)'):
+            self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
         self.aux_mu, self.aux_mu_end = float(aux_mu), aux_mu_end
         self._gold: Optional[GoldBatch] = None
+        self._check_columns(getattr(self.train_dataset, "column_names", None), "train_dataset")
+        if self.aux_on:
+            output_layer(self.model, "DigitGRPOTrainer")
+            check_number_rows(self.model, self.digit_loss.vocab, self.processing_class, "DigitGRPOTrainer")
+
+    def _check_columns(self, columns, where: str) -> None:
+        """Refuse, before any generation, rows without what the auxiliary term (the gold token ids) or delft's
+        rewards (their ``answer_column``) read; ``columns`` None (an IterableDataset without features) checks nothing."""
+        if columns is None:
+            return
+        needed = {c: "the auxiliary term (aux_mu > 0)" for c in GOLD_COLUMNS if self.aux_on}
+        for fn in self.reward_funcs:
+            column = answer_column_of(fn)
+            if column is not None:
+                needed.setdefault(column, f"the reward {getattr(getattr(fn, 'func', fn), '__name__', fn)!r}")
+        missing = [c for c in needed if c not in columns]
+        if missing:
+            raise UserError(f"DigitGRPOTrainer: {where} has no column {', '.join(map(repr, missing))}, which "
+                            f"{needed[missing[0]]} reads (its columns: {', '.join(map(str, columns)) or 'none'})",
+                            fix=_COLUMNS_FIX)
 
     @property
     def aux_on(self) -> bool:
@@ -68,6 +100,8 @@ class DigitGRPOTrainer(_grpo_trainer()):
     # ------------------------------------------------------------------ the gold batch
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        if inputs and self.model.training:  # an IterableDataset's columns are known only now, before generating
+            self._check_columns(list(inputs[0]), "a batch of train_dataset")
         out = super()._generate_and_score_completions(inputs)
         if self.model.training and "advantages" in out:  # the spread GRPO learns from (their mean is 0 by design)
             adv = out["advantages"].detach().float()
