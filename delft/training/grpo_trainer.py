@@ -12,9 +12,11 @@ gold answer contribute almost nothing (the reason huggingface/trl#2680 was close
 SFT loss: CE per gold label token + weight x the term per gold digit character, both counts taken over the whole
 gold batch of the optimizer step (every micro-step, every rank), so it does not depend on how the batch is split.
 
-Each dataset row carries the gold as token ids, ``gold_input_ids`` and ``gold_labels`` (prompt masked with -100),
-tokenised as delft's SFT tokenises it (delft.data.tokenize_example); ``answer`` is the gold number the rewards
-read. With mu = 0 throughout, the trainer is TRL's ``GRPOTrainer`` unchanged.
+Each dataset row carries the gold as token ids, ``gold_input_ids`` and ``gold_labels`` (prompt masked with -100:
+delft.integrations.grpo.add_gold_columns builds them from TRL's prompt/completion columns; ``delft train`` from
+its recipe's data); ``answer`` (or a reward's ``answer_column``) is the gold number the rewards read. Rows without
+what the term or the rewards read are refused at construction. With mu = 0 throughout, the trainer is TRL's
+``GRPOTrainer`` unchanged.
 """
 
 from __future__ import annotations
