@@ -49,10 +49,17 @@ def run(cmd: list[str], owned=(), **kwargs) -> subprocess.CompletedProcess:
     kills the child when delft dies."""
     guardian = [sys.executable, str(Path(__file__).resolve()), json.dumps([str(p) for p in owned]), *cmd]
     try:
-        return subprocess.run(guardian, preexec_fn=lambda: on_parent_death(signal.SIGTERM), **kwargs)
+        return subprocess.run(guardian, preexec_fn=_guardian_start, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: subprocess.run has killed the guardian, so the cleanup is ours
         _remove([str(p) for p in owned])
         raise
+
+
+def _guardian_start() -> None:
+    """In the guardian's process before it starts Python: SIGTERM (delft died) held back until the guardian's
+    handler is set, so a delft killed while the guardian starts up still gets its files removed."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    on_parent_death(signal.SIGTERM)
 
 
 def _remove(paths: list[str]) -> None:
@@ -73,14 +80,18 @@ def _guard(owned: list[str], cmd: list[str]) -> int:
         raise _DelftDied  # out of child.wait(), which holds a lock a second wait() here would wait on forever
 
     signal.signal(signal.SIGTERM, delft_died)
-    child = subprocess.Popen(cmd, preexec_fn=lambda: on_parent_death(signal.SIGKILL))
+    child = None
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])  # held back by _guardian_start until now
         if os.getppid() == 1:  # delft died before the request took effect
             raise _DelftDied
+        # a child forked just before _DelftDied is never assigned: its own PDEATHSIG kills it as the guardian exits
+        child = subprocess.Popen(cmd, preexec_fn=lambda: on_parent_death(signal.SIGKILL))
         code = child.wait()
     except _DelftDied:
-        child.kill()
-        child.wait()
+        if child is not None:
+            child.kill()
+            child.wait()
         _remove(owned)
         os._exit(128 + signal.SIGTERM)
     if code < 0:  # died by a signal: die by the same one, so delft sees it as if it had run the child itself

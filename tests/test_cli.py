@@ -116,8 +116,8 @@ def test_version_prints_delft_version_without_torch():
             "finally:\n    print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.splitlines() == [f"delft {__version__}", "[]"], out.stdout + out.stderr
-    assert run_cli("--version").output.strip() == f"delft {__version__}"
+    assert out.stdout.splitlines() == [f"delft-digits {__version__} (the delft command)", "[]"], out.stdout + out.stderr
+    assert run_cli("--version").output.strip() == f"delft-digits {__version__} (the delft command)"
 
 
 def readme_commands() -> dict[str, str]:
