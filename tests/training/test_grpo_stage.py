@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -114,8 +115,7 @@ def test_grpo_refusals(tmp_path, tiny_model_dir):
         run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "a",
                                              grpo={"reward_functions": ["nowhere:nothing"]})), console=Console(quiet=True))
     merged = tmp_path / "merged"
-    merged.mkdir()
-    (merged / "config.json").write_text("{}")
+    shutil.copytree(tiny_model_dir, merged)  # a whole model (config and weights), not an adapter
     with pytest.raises(UserError, match="holds a merged model, not a LoRA adapter"):
         run_training(load_recipe(grpo_recipe(tmp_path, tiny_model_dir, "b",
                                              model={"name": str(tiny_model_dir), "adapter": str(merged)})),
