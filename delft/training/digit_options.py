@@ -35,12 +35,12 @@ class DigitLossTypeError(UserError, TypeError):
 
 
 def digit_loss_options(value: Any, default_type: str = "del_prob", name: str = "digit_loss",
-                       key_prefix: str = "") -> dict:
+                       key_prefix: str = "", shown: Optional[str] = None) -> dict:
     """``value`` (None, a type name, or a dict of delft's ``loss:`` keys) as the full options DigitLoss takes:
     type, weight (the type's default when unset), normalisation, place weights, and the type's own parameters.
     A negative or non-finite weight, an unknown type and an unknown key (with a did-you-mean) are refused naming
-    ``name`` as the caller wrote it; ``key_prefix`` spells the keys as the caller does (``digit_loss_``)."""
-    shown = f"{name}={value!r}"  # as the caller wrote it
+    ``name`` as the caller wrote it (or ``shown``); ``key_prefix`` spells the keys as the caller does."""
+    shown = shown or f"{name}={value!r}"  # as the caller wrote it
     if value is None:
         value = {}
     if isinstance(value, str):
