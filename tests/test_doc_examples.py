@@ -1,0 +1,148 @@
+"""docs/integrations.md and docs/grpo.md run as printed: every fenced Python block is run as a script in a fresh
+process, every YAML block is validated by what reads it, as a user would paste them.
+
+What the test changes in a block, and nothing else:
+- the docs' model name, ``HuggingFaceTB/SmolLM2-135M`` (DOC_MODEL), becomes the path of the tiny saved model
+  (tests/tiny.py), so nothing is downloaded. The process runs with HF_HUB_OFFLINE=1, so a block that names another
+  model or a hub dataset fails here instead of downloading;
+- a Python block gets EPILOGUE appended: it prints ``trainer.state.log_history`` when the block made a ``trainer``,
+  and the test asserts that a digit term was logged. The blocks train on their own few inline rows, so their step
+  counts are what the docs print.
+The process starts without TRITON_INTERPRET (which conftest sets for this process): a block that runs Liger on the
+CPU must set it itself, as the docs tell users to.
+
+Fences named bash, console or text (shell commands, output listings) are not run, and a fence with any other
+language, or none, fails the test: no block is left out silently. MIN_PYTHON_BLOCKS says how many Python blocks each
+page has at least, so a broken extractor cannot pass by finding none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import REPO
+
+DOCS = REPO / "docs"
+MIN_PYTHON_BLOCKS = {"integrations.md": 3, "grpo.md": 1}
+DOC_MODEL = "HuggingFaceTB/SmolLM2-135M"
+NOT_RUN = {"bash", "console", "text"}
+FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")
+LOG_MARK = "DOC-EXAMPLE-LOGS "
+EPILOGUE = f"""
+
+import json as _doc_json
+if "trainer" in globals():
+    print({LOG_MARK!r} + _doc_json.dumps(trainer.state.log_history, default=str))
+"""
+# An axolotl config as axolotl's CLI reads one (axolotl.cli.config.load_cfg: plugins registered, then validated).
+AXOLOTL_CHECK = """
+import sys, yaml
+from axolotl.utils.config import prepare_plugins, validate_config
+from axolotl.utils.dict import DictDefault
+cfg = DictDefault(yaml.safe_load(open(sys.argv[1])))
+prepare_plugins(cfg)
+cfg = validate_config(cfg)
+print("VALIDATED", dict(cfg.digit_loss))
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}-{self.lang or 'none'}"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    """Every fenced code block of a Markdown page, with the language its fence names ('' for none)."""
+    blocks, open_at, fence, lang, body = [], 0, None, "", []
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        m = FENCE.match(line.strip())
+        if fence is None and m:
+            open_at, fence, lang, body = n, m.group(1), m.group(2).lower(), []
+        elif fence is not None and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+            blocks.append(Block(path.name, open_at, lang, "\n".join(body) + "\n"))
+            fence = None
+        elif fence is not None:
+            body.append(line)
+    return blocks
+
+
+BLOCKS = [b for page in MIN_PYTHON_BLOCKS for b in fenced_blocks(DOCS / page)]
+
+
+def for_the_tiny_model(code: str, model_dir: Path) -> str:
+    return code.replace(DOC_MODEL, str(model_dir))
+
+
+def user_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+
+
+def is_axolotl(config: dict) -> bool:
+    return "plugins" in config or "base_model" in config
+
+
+def test_every_block_is_run_or_deliberately_not():
+    for page, least in MIN_PYTHON_BLOCKS.items():
+        found = [b for b in BLOCKS if b.page == page and b.lang == "python"]
+        assert len(found) >= least, f"docs/{page}: {len(found)} Python blocks found, at least {least} expected"
+    unknown = [b.id for b in BLOCKS if b.lang not in {"python", "yaml"} | NOT_RUN]
+    assert not unknown, f"fences this test neither runs nor knows to leave out (name their language): {unknown}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
+def test_python_block_runs_as_printed(block, tiny_model_dir, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(for_the_tiny_model(block.code, tiny_model_dir) + EPILOGUE)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=user_env(), capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    logs = [json.loads(ln[len(LOG_MARK):]) for ln in proc.stdout.splitlines() if ln.startswith(LOG_MARK)]
+    assert "trainer.train()" in block.code and logs, f"{block.id}: trains nothing to check; say here what it makes"
+    terms = [v for row in logs[0] for k, v in row.items() if k.endswith("digit_term")]
+    assert terms and all(math.isfinite(v) and v > 0 for v in terms), f"{block.id}: no digit term logged: {logs[0]}"
+
+
+def yaml_params():
+    out = []
+    for b in (b for b in BLOCKS if b.lang == "yaml"):
+        try:
+            axolotl = is_axolotl(yaml.safe_load(b.code) or {})
+        except yaml.YAMLError:  # the test then fails on it, naming the block
+            axolotl = False
+        out.append(pytest.param(b, id=b.id, marks=[pytest.mark.axolotl, pytest.mark.slow] if axolotl else []))
+    return out
+
+
+@pytest.mark.parametrize("block", yaml_params())
+def test_yaml_block_is_valid_for_what_reads_it(block, tiny_model_dir, tmp_path):
+    from delft.recipe import Recipe, load_recipe
+
+    path = tmp_path / "block.yaml"
+    path.write_text(for_the_tiny_model(block.code, tiny_model_dir))
+    config = yaml.safe_load(path.read_text()) or {}
+    if is_axolotl(config):
+        proc = subprocess.run([sys.executable, "-c", AXOLOTL_CHECK, str(path)], cwd=tmp_path, env=user_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{block.id}: axolotl refuses it:\n{proc.stderr[-3000:]}"
+        assert f"'type': '{config['digit_loss']['type']}'" in proc.stdout, proc.stdout
+        return
+    assert set(config) <= set(Recipe.model_fields), f"{block.id}: neither an axolotl config nor a delft recipe"
+    assert isinstance(load_recipe(path), Recipe)
