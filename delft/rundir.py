@@ -251,6 +251,7 @@ def check_model_config(file: Path, data: dict, where: str) -> None:
     """Refuse a config.json transformers rejects (an unknown model_type, a value its config class cannot take), by
     name, before any weights load. A type transformers lacks but ``auto_map`` code provides is left to the
     remote-code check: transformers builds such a config only by running that code."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' typed configs raise it for a wrong type
     from transformers import CONFIG_MAPPING, AutoConfig, __version__
 
     model_type = data.get("model_type")
@@ -263,7 +264,7 @@ def check_model_config(file: Path, data: dict, where: str) -> None:
                         "for a model newer than this transformers, upgrade it: pip install -U transformers.")
     try:
         AutoConfig.from_pretrained(str(Path(file).parent), trust_remote_code=False)
-    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, StrictDataclassError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"transformers cannot read {file} ({reason})", where,
                         f"Restore {file.name} from where the model came from, or download the model again.") from None

@@ -54,6 +54,8 @@ MODEL_DAMAGE = {
                            ['model_type "nonsense"', "does not know"]),
     "config.json a JSON list": (lambda m: (m / MODEL_CONFIG).write_text("[1, 2, 3]"), MODEL_CONFIG,
                                 ["not a JSON object"]),
+    "a config value of the wrong type": (lambda m: _config(m, tie_word_embeddings="x"), MODEL_CONFIG,
+                                         ["transformers cannot read", "tie_word_embeddings"]),
     "config shapes that do not match the weights": (lambda m: _config(m, hidden_size=64, intermediate_size=128),
                                                     MODEL_CONFIG, ["shapes"]),
 }
