@@ -94,8 +94,11 @@ def user_env() -> dict:
     return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
-def is_axolotl(config: dict) -> bool:
-    return "plugins" in config or "base_model" in config
+def yaml_kind(config: dict) -> str:
+    """What reads a YAML block: axolotl (its config), TRL's TrlParser (a DigitSFTConfig file), or delft (a recipe)."""
+    if "plugins" in config or "base_model" in config:
+        return "axolotl"
+    return "trl" if any(str(k).startswith("digit_loss_") for k in config) else "recipe"
 
 
 def test_every_block_is_run_or_deliberately_not():
@@ -124,7 +127,7 @@ def yaml_params():
     out = []
     for b in (b for b in BLOCKS if b.lang == "yaml"):
         try:
-            axolotl = is_axolotl(yaml.safe_load(b.code) or {})
+            axolotl = yaml_kind(yaml.safe_load(b.code) or {}) == "axolotl"
         except yaml.YAMLError:  # the test then fails on it, naming the block
             axolotl = False
         out.append(pytest.param(b, id=b.id, marks=[pytest.mark.axolotl, pytest.mark.slow] if axolotl else []))
@@ -138,11 +141,21 @@ def test_yaml_block_is_valid_for_what_reads_it(block, tiny_model_dir, tmp_path):
     path = tmp_path / "block.yaml"
     path.write_text(for_the_tiny_model(block.code, tiny_model_dir))
     config = yaml.safe_load(path.read_text()) or {}
-    if is_axolotl(config):
+    kind = yaml_kind(config)
+    if kind == "axolotl":
         proc = subprocess.run([sys.executable, "-c", AXOLOTL_CHECK, str(path)], cwd=tmp_path, env=user_env(),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{block.id}: axolotl refuses it:\n{proc.stderr[-3000:]}"
         assert f"'type': '{config['digit_loss']['type']}'" in proc.stdout, proc.stdout
+        return
+    if kind == "trl":  # as TRL's own `trl sft --config FILE` reads it
+        from trl import ModelConfig, ScriptArguments, TrlParser
+
+        from delft.integrations.trl import DigitSFTConfig
+
+        _, args, _ = TrlParser((ScriptArguments, DigitSFTConfig, ModelConfig)).parse_args_and_config(
+            args=["--config", str(path)])
+        assert args.digit_loss_type == config.get("digit_loss_type", "del_prob"), args.digit_loss_dict()
         return
     assert set(config) <= set(Recipe.model_fields), f"{block.id}: neither an axolotl config nor a delft recipe"
     assert isinstance(load_recipe(path), Recipe)
