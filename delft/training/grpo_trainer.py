@@ -27,6 +27,7 @@ from typing import Any, Optional
 from delft.errors import UserError
 from delft.losses.misuse import callers_words, check_number_rows, output_layer
 from delft.numbers.rewards import answer_column_of
+from delft.training.digit_options import check_mu, digit_loss_options
 
 GOLD_COLUMNS = ("gold_input_ids", "gold_labels")
 
@@ -63,10 +64,11 @@ class DigitGRPOTrainer(_grpo_trainer()):
 
     def __init__(self, *args, digit_loss: Optional[dict] = None, aux_mu: float = 0.0,
                  aux_mu_end: Optional[float] = None, **kwargs):
+        check_mu(aux_mu=aux_mu, aux_mu_end=aux_mu_end)  # before the Trainer loads anything
+        opts = digit_loss_options(digit_loss, default_type="ce")
         super().__init__(*args, **kwargs)
         from delft.losses.modules import DigitLoss
 
-        opts = dict(digit_loss or {"type": "ce"})
         with callers_words('pass digit_loss={"type": "ce"} to DigitGRPOTrainer (CE alone)'):
             self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
         self.aux_mu, self.aux_mu_end = float(aux_mu), aux_mu_end
@@ -78,7 +80,7 @@ class DigitGRPOTrainer(_grpo_trainer()):
 
     def _check_columns(self, columns, where: str) -> None:
         """Refuse, before any generation, rows without what the auxiliary term (the gold token ids) or delft's
-        rewards (their ``answer_column``) read; ``columns`` None (an IterableDataset without features) checks nothing."""
+        rewards (their ``answer_column``) read; ``columns`` None (an IterableDataset without features): no check."""
         if columns is None:
             return
         needed = {c: "the auxiliary term (aux_mu > 0)" for c in GOLD_COLUMNS if self.aux_on}

@@ -318,3 +318,25 @@ def test_add_gold_columns_masks_exactly_the_prompt_as_trl_tokenises_it(tiny_toke
     assert tiny_tokenizer.decode(chat["gold_input_ids"]).startswith(shown)
     assert tiny_tokenizer.decode(kept) == "5</s>\n"  # the assistant's turn and its end, as the template writes it
     assert len(gold_ids(tiny_tokenizer, "What is 2 + 3?\n", "5" * 50, max_length=20)["gold_input_ids"]) == 20
+
+
+def test_an_iterable_dataset_without_gold_columns_is_refused_at_its_first_batch_before_generating(tiny_model_dir,
+                                                                                                  tmp_path):
+    from datasets import IterableDataset
+
+    from delft.integrations.grpo import exact_reward
+
+    scored = []
+
+    def watch(completions, **kwargs):  # TRL calls rewards after generating: a call means generation ran
+        scored.append(len(completions))
+        return [0.0] * len(completions)
+
+    stream = IterableDataset.from_generator(trl_rows)  # no features: the columns are unknown at construction
+    assert stream.column_names is None
+    trainer = grpo_trainer(tiny_model_dir, tmp_path, stream, rewards=[exact_reward, watch], aux_mu=0.5)
+    with pytest.raises(UserError) as err:
+        trainer.train()
+    msg = str(err.value)
+    assert "a batch of train_dataset has no column 'gold_input_ids', 'gold_labels'" in msg and "add_gold_columns" in msg
+    assert scored == []  # refused before any completion was generated
