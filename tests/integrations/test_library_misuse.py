@@ -340,3 +340,15 @@ def test_an_iterable_dataset_without_gold_columns_is_refused_at_its_first_batch_
     msg = str(err.value)
     assert "a batch of train_dataset has no column 'gold_input_ids', 'gold_labels'" in msg and "add_gold_columns" in msg
     assert scored == []  # refused before any completion was generated
+
+
+def test_grpo_refuses_a_glued_digit_tokenizer_in_its_own_words(tmp_path):
+    from datasets import Dataset
+    from tiny import save_tiny
+
+    glued = save_tiny(tmp_path / "glued", glued_digits=True)
+    with pytest.raises(UserError) as err:
+        grpo_trainer(glued, tmp_path, Dataset.from_list(trl_rows()), digit_loss={"type": "del_prob"})
+    msg = str(err.value)
+    assert "glued to other characters" in msg and 'pass digit_loss={"type": "ce"} to DigitGRPOTrainer' in msg
+    assert "loss.type" not in msg
