@@ -103,3 +103,24 @@ def test_mu_decays_linearly_over_the_run():
 
     assert mu_at(0, 10, 0.9, 0.05) == 0.9 and mu_at(9, 10, 0.9, 0.05) == pytest.approx(0.05)
     assert mu_at(5, 10, 0.3, None) == 0.3
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"aux_mu": -0.5}, ["aux_mu=-0.5", "finite number >= 0"]),
+    ({"aux_mu": float("nan")}, ["aux_mu=nan", "finite number >= 0"]),
+    ({"aux_mu": 0.9, "aux_mu_end": float("inf")}, ["aux_mu_end=inf", "finite number >= 0"]),
+    ({"aux_mu": "0.9"}, ["aux_mu='0.9'", "not a number"]),
+    ({"aux_mu": 0.9, "digit_loss": {"type": "del", "weight": -1}}, ["digit_loss=", "weight", "greater than or equal"]),
+    ({"aux_mu": 0.9, "digit_loss": {"type": "del", "wieght": 0.3}}, ["did you mean weight"]),
+], ids=["negative", "nan", "end_inf", "string", "negative_weight", "typo"])
+def test_a_bad_auxiliary_weight_or_digit_loss_is_refused_before_the_model_loads(tmp_path, extra, words):
+    """The model is a path that does not exist: the refusal comes before TRL would try to load it."""
+    from trl import GRPOConfig
+
+    from delft.integrations.grpo import DigitGRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], bf16=False, use_cpu=True)
+    with pytest.raises((ValueError, TypeError)) as err:
+        DigitGRPOTrainer(model=str(tmp_path / "no-model"), args=args, reward_funcs=[len], **extra)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert not (tmp_path / "out").exists()

@@ -190,3 +190,47 @@ def test_digit_loss_and_config_fields_together_are_refused(tmp_path):
     config = DigitSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, digit_loss_type="del")
     with pytest.raises(DigitLossValueError, match="in one place"):
         sft(build_tokenizer(), tmp_path, spec={"type": "del_prob"}, config=config)
+
+
+# ------------------------------------------------------------------ digit_loss= said plainly
+
+def bare(name: str, tmp_path, **kw):
+    """The trainer without a model: a refusal of digit_loss comes before the Trainer looks at anything."""
+    from transformers import TrainingArguments
+
+    from delft.integrations.hf import DigitTrainer
+    from delft.integrations.trl import DigitSFTConfig, DigitSFTTrainer
+
+    if name == "DigitTrainer":
+        return DigitTrainer(model=None, args=TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True), **kw)
+    return DigitSFTTrainer(model=None, args=DigitSFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True,
+                                                            bf16=False), **kw)
+
+
+@pytest.mark.parametrize("spec, kind, words", [
+    ({"weight": -1}, ValueError, ["digit_loss={'weight': -1}", "greater than or equal to 0", "got -1"]),
+    ({"type": "del", "weight": float("nan")}, ValueError, ["weight", "finite number"]),
+    ({"weight": float("inf")}, ValueError, ["weight", "finite number"]),
+    ({"type": "del", "wieght": 0.3}, ValueError, ["wieght: unknown key; did you mean weight?", "accepted keys: type, "
+                                                  "weight, tau, normalisation, place_weights, place_weight_cap"]),
+    ("dell", ValueError, ["digit_loss='dell'", "'del_prob'", "got 'dell'"]),
+    (["del", 0.3], TypeError, ["digit_loss=['del', 0.3] is a list", "digit_loss={'type': 'del_prob', 'weight': 0.3}",
+                               "digit_loss='del_prob'"]),
+    ({"type": "del"}, None, []),  # the resume option itself
+], ids=["negative", "nan", "inf", "typo", "unknown_type", "list", "bad_resume_option"])
+@pytest.mark.parametrize("name", BUILD)
+def test_a_bad_digit_loss_is_refused_in_the_callers_words(tmp_path, name, spec, kind, words):
+    from delft.errors import UserError
+
+    extra = {} if kind else {"digit_loss_resume_mismatch": "ignore"}
+    with pytest.raises(kind or ValueError) as err:
+        bare(name, tmp_path, digit_loss=spec, **extra)
+    text = str(err.value)
+    assert all(w in text for w in words or ["digit_loss_resume_mismatch='ignore'", "'refuse', 'allow'"]), text
+    assert isinstance(err.value, UserError) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", BUILD)
+def test_a_type_name_is_a_digit_loss(tmp_path, name):
+    trainer = BUILD[name](build_tokenizer(), tmp_path, spec="ntl_mse")
+    assert (trainer.digit_loss.loss.type, trainer.digit_loss.loss.weight) == ("ntl_mse", 0.3)
