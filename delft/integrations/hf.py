@@ -39,7 +39,8 @@ class DigitLossMixin:
     """Put before a ``transformers.Trainer`` subclass: ``class MyTrainer(DigitLossMixin, MyBaseTrainer)``.
 
     ``digit_loss``: ``{"type": ..., "weight": ..., **options}`` with delft's ``loss:`` recipe keys (type, weight,
-    normalisation, place_weights, place_weight_cap, tau); the tokenizer is the Trainer's ``processing_class``.
+    normalisation, place_weights, place_weight_cap, tau), or a type's name; checked by
+    delft.training.digit_options (in the caller's words). The tokenizer is the Trainer's ``processing_class``.
     Logged beside the Trainer's ``loss``: ``ce`` and ``digit_term`` (each the step's mean, averaged over the
     logged steps) and ``digit_weight``; ``evaluate()`` reports ``eval_ce`` and ``eval_digit_term`` beside
     ``eval_loss`` (averaged over the eval batches as ``eval_loss`` is). Each checkpoint holds the settings in
