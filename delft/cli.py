@@ -104,6 +104,14 @@ def _reported(fn, *args, **kwargs):
         how = signals.received()
         err_console.print(f"[yellow]{signals.describe(how)}[/] (nothing was left half-written)")
         raise typer.Exit(signals.exit_code(how))
+    except Exception:
+        how = signals.received()
+        if how is None or DEBUG:
+            raise
+        # the stop surfaced as another exception: raised inside an import (a half-imported module then fails as
+        # a RecursionError) or turned into its own error by a library's except clause
+        err_console.print(f"[yellow]{signals.describe(how)}[/] (nothing was left half-written)")
+        raise typer.Exit(signals.exit_code(how))
 
 
 def _print_version(value: bool) -> None:

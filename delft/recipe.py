@@ -260,7 +260,8 @@ class EarlyStoppingConfig(Section):
         "val_loss", description="What is watched: the validation loss (every train.eval_steps; lower is better) or "
         "the held-out exact match (every train.accuracy_steps; higher is better).")
     patience: int = Field(3, gt=0, description="Stop after this many measurements in a row without an improvement.")
-    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the best by more than this.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the last counted one by more than "
+                             "this to reset patience; the best step is always the lowest (highest) measured.")
 
 
 class TrainConfig(Section):
@@ -472,6 +473,12 @@ class Recipe(Section):
                              "(drop one of them)")
         if full and self.train.stage == "grpo":
             raise ValueError("train.stage grpo trains a LoRA policy here; use train.finetuning: lora")
+        lora = [k for k, f in LoraConfig.model_fields.items() if getattr(self.lora, k) != f.get_default(
+            call_default_factory=True)]  # a saved recipe.yaml holds every key at its default: those say nothing
+        if full and lora:
+            raise ValueError(f"train.finetuning full trains every weight and ignores the lora section, which sets "
+                             f"{', '.join('lora.' + k for k in lora)}: drop those keys (or set them back to their "
+                             "defaults), or use train.finetuning: lora")
         if self.train.stage == "grpo":
             t, d = self.train, type(self.train).model_fields
             changed = [k for k in ("optimizer", "betas", "momentum", "neftune_alpha", "snapshot_steps", "report_to")
@@ -539,9 +546,16 @@ def describe_error(err: dict, root: Any = None) -> str:
         hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
         return f"{key}: unknown key; {hint}"
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):  # pydantic's words name its classes
+        keys = _fields_at((*loc, None), root)
+        more = ", ..." if len(keys) > 6 else ""
+        msg = "is a section of keys (key: value lines indented under it), not a single value" + \
+            (f"; its keys: {', '.join(keys[:6])}{more}" if keys else "")
     if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
         shown = repr(err["input"])
-        return f"{key}: {msg} (got {shown if len(shown) <= 100 else shown[:97] + '...'})"
+        if err["input"] is None:  # `~`, `null` or nothing after the colon: YAML's null, rarely what was meant
+            shown += ": YAML reads ~, null and an empty value as null; quote it, e.g. '~', to mean the text"
+        return f"{key}: {msg} (got {shown if len(shown) <= 200 else shown[:197] + '...'})"
     return f"{key}: {msg}"
 
 

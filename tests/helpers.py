@@ -67,6 +67,8 @@ def recipe_file(tmp_path: Path, model_dir: Path, name="run", **sections) -> Path
                   "save_steps": 3, "warmup_ratio": 0.0},
         "output": {"dir": str(tmp_path / name)},
     }
+    if sections.get("train", {}).get("finetuning") == "full" and "lora" not in sections:
+        del base["lora"]  # full fine-tuning refuses lora keys (it would ignore them)
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return write_yaml(tmp_path / f"{name}.yaml", base)

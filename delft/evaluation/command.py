@@ -39,6 +39,10 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
 
     cfg = load_recipe(recipe_path, list(overrides))
     runs = list(runs)
+    for run in runs:  # named before anything else: a mistyped path is the likeliest mistake, whatever else is missing
+        if not Path(run).exists():
+            raise UserError(f"{run} does not exist", "delft eval", "Give run directories written by `delft train`, "
+                            "merged models from `delft export` or .gguf files (after the recipe, if any).")
     if recipe_path is None:
         if model is None:
             model = _base_from_runs(runs)
@@ -81,10 +85,7 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
         raise UserError(f"invalid eval data: {problems}", "--data/--format", "Check --data and --format.") from None
     data_cfg = disjoint_from_training(data_cfg, cfg.data)
     if not runs and recipe_path is not None:
-        finished = _finished_run(Path(cfg.output.dir))
-        if finished is not None:
-            console.print(f"[dim]including the finished run in {finished} (output.dir of the recipe)[/]")
-            runs = [str(finished)]
+        runs = _recipe_run(Path(cfg.output.dir), console)
     return cfg, model, data_cfg, limit, runs
 
 
@@ -96,10 +97,23 @@ def _base_from_runs(runs: Sequence[str]) -> Optional[str]:
     return bases.pop() if len(bases) == 1 else None
 
 
-def _finished_run(path: Path) -> Optional[Path]:
-    from delft.rundir import is_finished_run
+def _recipe_run(path: Path, console: Console) -> list[str]:
+    """The recipe's own run (output.dir) as the one run to evaluate when it is finished; when it is not, one line
+    says why it is left out, so a table without it is never a surprise."""
+    from delft.rundir import is_finished_run, status
 
-    return path if is_finished_run(path) else None
+    if is_finished_run(path):
+        console.print(f"[dim]including the finished run in {path} (output.dir of the recipe)[/]")
+        return [str(path)]
+    if not path.exists():
+        why = "does not exist (not trained yet?)"
+    elif status(path) not in (None, "completed"):
+        why = f"is not finished (its status is {status(path)!r}: resume the training to finish it)"
+    else:
+        why = "holds no trained adapter or model"
+    console.print(f"[dim]not including the recipe's run: {path} (output.dir) {why}; give run directories after the "
+                  "recipe to evaluate them[/]", highlight=False)
+    return []
 
 
 def check_runs(runs: Sequence[str], base: str) -> None:

@@ -5,6 +5,7 @@ columns go to llama.cpp (delft.evaluation.gguf_backend).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -60,9 +61,39 @@ def in_llama_cpp(adapter: Optional[str], base: str, recipe_cfg) -> bool:
     return is_gguf(adapter) or (adapter is None and is_gguf(base) and recipe_cfg.eval.backend == "llama.cpp")
 
 
+class LineProgress:
+    """rich's live display draws nothing while stdout is not a terminal (a file, a pipe, CI), so a long eval would be
+    silent for its whole length: instead one line as each model starts and one per tenth of its problems."""
+
+    def __init__(self, console: Console):
+        self.console, self.tasks = console, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def add_task(self, name: str, total: int) -> int:
+        self.tasks.append({"name": name, "total": total, "done": 0, "start": time.monotonic()})
+        self.console.print(f"{name}: loading, then answering {total} problems", highlight=False)
+        return len(self.tasks) - 1
+
+    def advance(self, task: int, n: int) -> None:
+        t = self.tasks[task]
+        before, t["done"] = t["done"], min(t["total"], t["done"] + n)
+        every = max(1, t["total"] // 10)
+        if t["done"] == t["total"] or t["done"] // every > before // every:
+            self.console.print(f"{t['name']}: {t['done']}/{t['total']} problems answered "
+                               f"({time.monotonic() - t['start']:.0f} s)", highlight=False)
+
+
 def progress_bar(console: Console):
+    """rich's bars on a terminal; LineProgress's lines elsewhere."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if not console.is_terminal:
+        return LineProgress(console)
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=False)
 

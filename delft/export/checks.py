@@ -12,7 +12,7 @@ from typing import Optional
 
 from delft.errors import UserError
 from delft.outputs import check_writable_dir, human_size, pid_alive, remove_dead_leftovers
-from delft.rundir import EXPORT_INFO, check_trained_dir, is_run_dir, read_info
+from delft.rundir import EXPORT_INFO, RUN_INFO, check_trained_dir, is_run_dir, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -49,6 +49,13 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
         if path is not None and path.exists() and _within(path, out):
             raise UserError(f"--out {out} contains the {what} ({path}); replacing it would delete it", "--out",
                             "Choose a new directory, e.g. --out merged/NAME.")
+    run = protected.get("run directory")
+    inside = next((d for d in (out.resolve(), *out.resolve().parents) if (d / RUN_INFO).is_file()), None)
+    if run is not None and _within(out, run):
+        inside = run
+    if inside is not None:  # a run's files are the trainer's (a resume, eval and compare read them): never mixed
+        raise UserError(f"--out {out} is inside the run directory {inside}: the export would write among the run's "
+                        "own files", "--out", "Choose a directory of its own, e.g. --out merged/NAME.")
     if out.exists() and not force:
         if out.is_dir() and not any(out.iterdir()):
             return

@@ -227,16 +227,25 @@ def _converter_complete(path: Path) -> bool:
         (path / p / "__init__.py").is_file() for p in CONVERTER_PACKAGES)
 
 
+def sdist_download_command(dest: Path) -> list[str]:
+    """pip fetching llama-cpp-python's source distribution alone: --no-binary names only that package, so the build
+    requirements pip installs to read its metadata come as wheels (`--no-binary :all:` built every one of them, and
+    theirs, from source: minutes with nothing shown)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+            LLAMA_CPP_SDIST, "-d", str(dest)]
+
+
 def _download_sdist(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-           LLAMA_CPP_SDIST, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    """The sdist in ``dest``, pip's own progress shown on the terminal (the first --gguf export fetches it once)."""
+    Console(stderr=True).print(f"[bold]gguf[/] fetching llama.cpp's converter once ({LLAMA_CPP_SDIST}, source "
+                               "distribution, into delft's cache) with pip:", highlight=False)
+    proc = subprocess.run(sdist_download_command(dest))
     found = sorted(dest.glob("*.tar.gz"))
     if proc.returncode != 0 or not found:
         raise UserError(f"could not download llama.cpp's converter ({LLAMA_CPP_SDIST}, source distribution) from "
-                        f"PyPI ({(proc.stderr or '').strip()[-200:]})", "--gguf",
-                        f"Run `pip download --no-deps --no-binary :all: {LLAMA_CPP_SDIST}` where PyPI is reachable "
-                        f"and set {SDIST_ENV} to the .tar.gz.")
+                        f"PyPI (pip exited with {proc.returncode}; its messages are above)", "--gguf",
+                        f"Run `pip download --no-deps --no-binary llama-cpp-python {LLAMA_CPP_SDIST}` where PyPI is "
+                        f"reachable and set {SDIST_ENV} to the .tar.gz.")
     return found[0]
 
 

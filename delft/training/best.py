@@ -1,7 +1,9 @@
 """Early stopping and the best checkpoint (train.early_stopping, train.keep_best): the tracked metric after
 every validation (val_loss, lower is better) or held-out measurement (heldout_accuracy, higher is better), the
-best step so far, and how many measurements in a row have not improved on it by min_delta. Its state goes into
-every checkpoint, so a resumed run stops where the uninterrupted one would.
+best step so far (always the lowest, or highest, value measured), and how many measurements in a row have not
+improved by more than min_delta on the last one that did. min_delta only decides when to stop: a small improvement
+is still the best model, it just does not reset patience. Its state goes into every checkpoint, so a resumed run
+stops where the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ class Tracker:
     patience: Optional[int] = None  # None: keep_best without early stopping
     best: Optional[float] = None
     best_step: Optional[int] = None
-    bad: int = 0  # measurements since the best without an improvement
+    bad: int = 0  # measurements since `ref` without an improvement by more than min_delta
     measured: int = 0
+    ref: Optional[float] = None  # the value patience counts from: the last improvement by more than min_delta
+    ref_step: Optional[int] = None
 
     @classmethod
     def from_recipe(cls, recipe) -> Optional["Tracker"]:
@@ -34,12 +38,15 @@ class Tracker:
                    patience=es.patience if es else None)
 
     def update(self, value: float, step: int) -> bool:
-        """Take one measurement; True when it is the new best."""
+        """Take one measurement; True when it is the new best (by any margin: min_delta only counts patience)."""
         self.measured += 1
         lower = LOWER_IS_BETTER[self.metric]
-        better = self.best is None or (value < self.best - self.min_delta if lower else value > self.best + self.min_delta)
+        better = self.best is None or (value < self.best if lower else value > self.best)
         if better:
-            self.best, self.best_step, self.bad = value, step, 0
+            self.best, self.best_step = value, step
+        enough = self.ref is None or (value < self.ref - self.min_delta if lower else value > self.ref + self.min_delta)
+        if enough:
+            self.ref, self.ref_step, self.bad = value, step, 0
         else:
             self.bad += 1
         return better
@@ -56,6 +63,8 @@ class Tracker:
         for k, v in (state or {}).items():
             if k in known:
                 setattr(self, k, v)
+        if self.ref is None and self.best is not None:  # a checkpoint from before `ref`: its best counted patience
+            self.ref, self.ref_step = self.best, self.best_step
 
     def summary(self, stopped_at: Optional[int]) -> dict:
         """What delft_run.json says: the best step and why, and where (and why) training stopped early."""
@@ -64,6 +73,6 @@ class Tracker:
                         "why": f"the {how} {self.metric} of {self.measured} measurements (min_delta {self.min_delta:g})"}}
         if stopped_at is not None:
             out["stopped_early"] = {"step": stopped_at, "why": f"{self.metric} did not improve on step "
-                                    f"{self.best_step}'s {self.best:.6g} by more than {self.min_delta:g} for "
+                                    f"{self.ref_step}'s {self.ref:.6g} by more than {self.min_delta:g} for "
                                     f"{self.patience} measurements in a row"}
         return out

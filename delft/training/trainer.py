@@ -34,6 +34,7 @@ from delft.training.checkpoints import (
     rng_states,
     save_checkpoint,
 )
+from delft.training.precheck import check_before_loading, note_busy_machine
 from delft.training.report import peak_memory_gb, plot_losses
 from delft.training.resume import (
     check_replaceable,
@@ -416,6 +417,9 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     or, with ``force``, a replaced earlier run. Returns the run directory."""
     from delft.training.lock import run_lock
 
+    check_before_loading(recipe)  # what would otherwise be refused only once the model has loaded
+    if dist.is_main():
+        note_busy_machine(recipe.model.device, console or Console())
     if recipe.train.stage == "grpo":
         from delft.training.grpo import run_grpo
 

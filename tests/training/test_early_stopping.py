@@ -14,7 +14,8 @@ from delft.rundir import read_info, snapshot_path
 from delft.training.best import Tracker
 from delft.training.trainer import run_training
 
-# validation losses at steps 1, 2, 3, ...: the best is step 3 (0.5); 0.49 at step 5 is not better by min_delta 0.05
+# validation losses at steps 1, 2, 3, ...: the best is step 5 (0.49, the lowest); it is not lower than step 3's 0.5
+# by more than min_delta 0.05, so patience keeps counting from step 3 and the run stops at step 6
 SCRIPT = [1.0, 0.8, 0.5, 0.6, 0.49, 0.7, 0.4, 0.3]
 
 
@@ -24,7 +25,7 @@ def test_the_tracker_stops_after_patience_measurements_without_an_improvement():
         t.update(v, step)
         if t.should_stop:
             break
-    assert (step, t.best_step, t.best) == (6, 3, 0.5)  # measurement 6: the third without an improvement
+    assert (step, t.best_step, t.best) == (6, 5, 0.49)  # measurement 6: the third without an improvement by 0.05
     acc = Tracker("heldout_accuracy", patience=2)
     for step, v in enumerate([0.1, 0.3, 0.3, 0.2], 1):
         acc.update(v, step)
@@ -45,7 +46,7 @@ def scripted(monkeypatch, values=SCRIPT):
     monkeypatch.setattr(train_mod, "evaluate_loss", fake)
 
 
-TRACKED = {"max_steps": 8, "eval_steps": 1, "save_steps": 2, "snapshot_steps": [3], "keep_best": True,
+TRACKED = {"max_steps": 8, "eval_steps": 1, "save_steps": 2, "snapshot_steps": [5], "keep_best": True,
            "early_stopping": {"metric": "val_loss", "patience": 3, "min_delta": 0.05}}
 
 
@@ -54,10 +55,10 @@ def test_a_run_stops_at_the_right_step_and_writes_the_best_steps_adapter(tmp_pat
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, train=TRACKED)))
     info = read_info(run)
     assert info["status"] == "completed" and info["step"] == 6 and info["stopped_early"]["step"] == 6
-    assert info["best"]["step"] == 3 and info["best"]["value"] == 0.5 and info["best"]["written"]
+    assert info["best"]["step"] == 5 and info["best"]["value"] == 0.49 and info["best"]["written"]
     assert "lowest val_loss of 6 measurements" in info["best"]["why"]
-    best, final = adapter_weights(snapshot_path(run, 3)), adapter_weights(run)
-    for k in best:  # the adapter at the top is step 3's, not step 6's
+    best, final = adapter_weights(snapshot_path(run, 5)), adapter_weights(run)
+    for k in best:  # the adapter at the top is step 5's, not step 6's
         assert torch.equal(best[k], final[k]), k
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 6 and not (run / "best").exists()
@@ -75,7 +76,7 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(tmp_path, tiny_mode
     scripted(monkeypatch, SCRIPT[4:])  # the resumed run validates from step 5 on (its checkpoint is step 4)
     run_training(load_recipe(path))
     a, b = read_info(straight), read_info(tmp_path / "resumed")
-    assert (a["step"], a["best"]["step"]) == (b["step"], b["best"]["step"]) == (6, 3)
+    assert (a["step"], a["best"]["step"]) == (b["step"], b["best"]["step"]) == (6, 5)
     wa, wb = adapter_weights(straight), adapter_weights(tmp_path / "resumed")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5)

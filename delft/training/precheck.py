@@ -1,0 +1,62 @@
+"""What ``delft train`` checks before any weights load, and ``delft recipe check`` checks the same way (one function
+both call): the device is there, an 8-bit optimizer has CUDA, every tracker of train.report_to imports, a local
+data file gives examples. Each costs seconds at most; the same refusal after the model loaded costs minutes, and a
+"valid recipe" that train then refuses costs the user's trust in the check.
+
+And a note at train start when the CPU is oversubscribed: torch's threads wait on each other when other jobs hold
+the cores, and one thread a process is then often many times faster.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from delft.data import is_data_file, load_examples
+from delft.errors import UserError
+from delft.models.loading import resolve_device
+from delft.recipe import GENERATED
+from delft.training.setup import CUDA_OPTIMIZERS
+from delft.training.tracking import check_backends
+
+
+def check_before_loading(recipe) -> None:
+    """Refuse (UserError) what train would refuse only after loading the model: the cheap checks, in train's order."""
+    t = recipe.train
+    if recipe.model.device == "cuda" or (t.stage == "sft" and t.optimizer in CUDA_OPTIMIZERS):
+        device = resolve_device(recipe.model.device)  # refuses model.device cuda without a GPU
+        if t.optimizer in CUDA_OPTIMIZERS and t.stage == "sft" and device != "cuda":
+            raise UserError(f"train.optimizer {t.optimizer} is bitsandbytes' CUDA optimizer; this run is on the CPU",
+                            "train.optimizer", "Use train.optimizer: adamw (or sgd) on the CPU.")
+    check_backends(t.report_to)
+    if local_data_file(recipe.data.source, recipe.data.format):
+        load_examples(recipe.data)  # an empty, unreadable or malformed file is refused by name and row
+
+
+def local_data_file(source: str, fmt: str) -> bool:
+    """Whether data.source names a file here (as the data loader reads it), not a hub id or a generator."""
+    return fmt not in GENERATED and is_data_file(source)
+
+
+def busy_machine(load: float, cores: int, threads: int) -> Optional[str]:
+    """The note when the 1-minute load average is above the cores and torch runs more than one thread, else None."""
+    if load <= cores or threads <= 1:
+        return None
+    return (f"the CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads a process: they "
+            "wait on each other. If steps are slow, run with OMP_NUM_THREADS=1 (or torch.set_num_threads(1) in a "
+            "script); see docs/performance.md")
+
+
+def note_busy_machine(device_pref: str, console) -> None:
+    """Print busy_machine's note at train start on the CPU (nothing on a GPU run or where there is no load)."""
+    import torch
+
+    if not hasattr(os, "getloadavg") or resolve_device(device_pref) != "cpu":
+        return
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this system
+        return
+    note = busy_machine(load, os.cpu_count() or 1, torch.get_num_threads())
+    if note:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
