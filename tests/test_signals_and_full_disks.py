@@ -79,6 +79,7 @@ def one_paragraph(out: str) -> None:
 # -- SIGTERM in delft train, before the loop and during the final write
 
 
+@pytest.mark.slow
 def test_sigterm_while_train_loads_stops_cleanly_and_the_run_starts_later(tmp_path, tiny_model_dir):
     """Tokenizing 4000 examples takes a while; the lock is taken before it, so its file marks start-up."""
     path = recipe_file(tmp_path, tiny_model_dir, name="run", data={"synthetic": {"n": 4000, "max_digits": 3}},
@@ -96,6 +97,7 @@ def test_sigterm_while_train_loads_stops_cleanly_and_the_run_starts_later(tmp_pa
     assert read_info(run)["status"] == "completed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.05])
 def test_sigterm_at_the_end_of_training_ends_resumable_or_complete(tmp_path, tiny_model_dir, delay):
     """SIGTERM once the last step's validation row is logged: it lands in the loop's tail, in the final write or
@@ -169,6 +171,7 @@ def status(run: Path) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_every_ctrl_c_stops_a_study_and_the_next_one_reuses_its_runs(tmp_path, study):
     runs = tmp_path / "runs"
     points = {  # (signal, when): at start-up, after the first arm, while the second trains, while evaluating
@@ -292,6 +295,7 @@ def test_each_writer_on_a_full_disk_is_one_paragraph_and_writes_nothing_half(sma
     assert all(json.loads(ln) for ln in metrics.read_text().splitlines())  # no half line
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_while_training_ends_in_one_paragraph(tmp_path, tiny_model_dir, small_disk):
     """The run directory on a small disk that a filler takes once training logs: the next metrics.jsonl write
     meets ENOSPC (no checkpoint is due), which is said in one paragraph with the file; every logged line is whole."""

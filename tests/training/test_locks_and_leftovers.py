@@ -148,6 +148,7 @@ def test_a_refused_recipe_leaves_no_directory_behind(tmp_path, tiny_model_dir):
 # ----------------------------------------------------------------------------- leftovers of a kill -9
 
 
+@pytest.mark.slow
 def test_a_resume_removes_a_dead_process_s_leftovers_only(tmp_path, tiny_model_dir, monkeypatch):
     straight = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, name="straight")))
     path = recipe_file(tmp_path, tiny_model_dir, name="run")
