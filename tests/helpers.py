@@ -105,6 +105,19 @@ def adapter_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / ADAPTER_WEIGHTS[0]))
 
 
+def assert_same_after_adam(got: Tensor, expected: Tensor, lr: float, steps: int, rtol: float, atol: float,
+                           what: str = "") -> None:
+    """Weights of two runs that differ only in float summation order (one process, or an all-reduce of two halves).
+    Adam divides each gradient by its running RMS, so an element whose gradient is near zero can step the other way
+    on a rounding-sized difference: by at most 2 x lr per step. Every other element must match to (rtol, atol); at
+    most one element in 10,000 (and at least one allowed) may differ, within that bound."""
+    off = ~torch.isclose(got, expected, rtol=rtol, atol=atol)
+    allowed = max(1, got.numel() // 10_000)
+    assert int(off.sum()) <= allowed, f"{what}: {int(off.sum())} of {got.numel()} elements differ (at most {allowed})"
+    worst = float((got - expected).abs().max())
+    assert worst <= 2 * lr * steps + atol, f"{what}: a difference of {worst:.3g}, more than Adam's 2 x lr x steps"
+
+
 def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: int = 4, alpha: int = 8,
              seed: int = 1, info: bool = True) -> Path:
     """A run directory as `delft train` leaves it, without training: a peft adapter whose B is non-zero (so it

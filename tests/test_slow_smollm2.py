@@ -2,7 +2,7 @@
 
 
 import pytest
-from helpers import REPO
+from helpers import REPO, assert_same_after_adam
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
@@ -80,8 +80,8 @@ def test_full_finetuning_of_real_smollm2_changes_every_weight_resumes_exactly_an
     two.write_text((full_run / "recipe.yaml").read_text().replace("grad_accum: 2", "grad_accum: 1").replace(
         str(full_run), str(tmp_path / "two")))
     finished(torchrun(two), timeout=1200)
-    for k, v in _weights(tmp_path / "two").items():  # to float32 rounding: Adam's normalised step magnifies the
-        torch.testing.assert_close(v, tuned[k], rtol=1e-4, atol=1e-5)  # summation-order noise of tiny gradients
+    for k, v in _weights(tmp_path / "two").items():  # to float32 rounding, but for Adam's rare flips
+        assert_same_after_adam(v, tuned[k], lr=2e-5, steps=4, rtol=1e-4, atol=1e-5, what=k)
 
     resumed = load_recipe(QUICKSTART, [*FULL, "train.grad_accum=2", f"output.dir={tmp_path / 'resumed'}"])
     restore = interrupt_on_step(monkeypatch, 3)

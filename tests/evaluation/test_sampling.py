@@ -4,6 +4,7 @@ two scores), on the tiny digit model."""
 from __future__ import annotations
 
 import json
+import shutil
 from decimal import Decimal
 from pathlib import Path
 
@@ -82,9 +83,14 @@ def test_sampling_with_a_batch_of_one_still_answers_every_sample(digit_model_pat
 
 
 def test_fewshot_renders_the_harness_prompt_and_scores_both_ways(digit_model_path, tmp_path):
+    # two character-level exemplars pass the tiny model's 512 positions, which eval now refuses before generating;
+    # its rotary positions take a longer context with the same weights
+    model = Path(shutil.copytree(digit_model_path, tmp_path / "long"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     out = tmp_path / "gsm.json"
     console = Console(width=200, record=True)
-    run_eval(model=str(digit_model_path), data=str(GSM8K), data_format="gsm8k", limit=3, json_out=out,
+    run_eval(model=str(model), data=str(GSM8K), data_format="gsm8k", limit=3, json_out=out,
              console=console, overrides=[*FAST, "eval.fewshot=2"])
     report = json.loads(out.read_text())
     assert report["settings"]["fewshot"] == 2 and report["settings"]["decoding"] == "greedy"

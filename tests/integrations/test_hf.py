@@ -222,7 +222,8 @@ def test_two_processes_under_torchrun_equal_one(tmp_path):
     one, two = results["one"], results["two"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
     assert (two["ce"], two["term"]) == (pytest.approx(one["ce"], rel=1e-5), pytest.approx(one["term"], rel=1e-5))
-    assert_same_grads(two["grads"], one["grads"], rtol=1e-5, atol=1e-7)
+    # an all-reduce of two halves sums in another order than one process: float32 rounding of O(1) sums, ~1e-7
+    assert_same_grads(two["grads"], one["grads"], rtol=1e-5, atol=1e-6)
     json.dumps({"loss": one["loss"]})  # plain floats came back
 
 
