@@ -56,14 +56,19 @@ def resolve_quantization(mode: str, device: str, finetuning: str = "lora") -> st
     return mode
 
 
+def check_model_dir(path: Path, name: str, trust_remote_code: bool) -> None:
+    """A local model directory refused by name before transformers reads it: a config number no model can have
+    (first: its key named, not transformers' error), damaged or pickled files, code it would run untrusted."""
+    check_config_numbers(path, "model.name")
+    check_model_files(path, "model.name", "Restore or download the model again.")
+    check_remote_code(path, name, "model.name", trust_remote_code)
+
+
 def load_tokenizer(path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    if Path(path).is_dir():
-        # AutoTokenizer reads the directory's config.json too: a damaged one is refused here first, by name
-        check_config_numbers(Path(path), "model.name")  # first: a number's key named, not transformers' error
-        check_model_files(Path(path), "model.name", "Restore or download the model again.")
-        check_remote_code(Path(path), path, "model.name", trust_remote_code)
+    if Path(path).is_dir():  # AutoTokenizer reads the directory's config.json too
+        check_model_dir(Path(path), path, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -83,9 +88,7 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
     # use_safetensors: never a pickle (pytorch_model.bin), from a directory or from the hub
     kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, use_safetensors=True)
     if ref.is_local:
-        check_config_numbers(Path(ref.path), "model.name")
-        check_model_files(Path(ref.path), "model.name", "Restore or download the model again.")
-        check_remote_code(Path(ref.path), ref.name, "model.name", trust_remote_code)
+        check_model_dir(Path(ref.path), ref.name, trust_remote_code)
     if quantization == "nf4":
         _check_cpu_nf4(ref, device)
         try:
