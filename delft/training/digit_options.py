@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
+from delft.outputs import write_atomic
 from delft.recipe import LossConfig, describe_error
 
 SETTINGS_FILE = "digit_loss.json"
@@ -85,10 +86,7 @@ def check_resume_mismatch(value: str, name: str = "digit_loss_resume_mismatch") 
 
 def save_settings(folder: str | os.PathLike, options: dict) -> None:
     """Write ``options`` as ``digit_loss.json`` into the checkpoint ``folder`` (whole or not at all)."""
-    path = Path(folder) / SETTINGS_FILE
-    tmp = path.with_name(f".{SETTINGS_FILE}.tmp")
-    tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(Path(folder) / SETTINGS_FILE, json.dumps(options, indent=1, sort_keys=True) + "\n")
 
 
 def check_resume(checkpoint: Optional[str | os.PathLike], options: dict, mismatch: str = "refuse",
