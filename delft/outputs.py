@@ -187,6 +187,13 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
+def holds_cwd_or_home(path: Path) -> bool:
+    """Whether ``path`` (resolved) is the current directory, one above it, or the home directory: what no
+    ``--force`` of delft's (train's run directory, export's --out) may ever replace."""
+    where, here = Path(path).expanduser().resolve(), Path.cwd().resolve()
+    return where == here or where in here.parents or where == Path.home().resolve()
+
+
 def nearest_existing(path: Path) -> Path:
     """``path`` or its closest ancestor that exists (where a missing directory would be created)."""
     path = Path(os.path.abspath(path))

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
-from delft.outputs import check_writable_dir, human_size, pid_alive, remove_dead_leftovers
+from delft.outputs import (
+    check_writable_dir,
+    holds_cwd_or_home,
+    human_size,
+    pid_alive,
+    remove_dead_leftovers,
+)
 from delft.rundir import EXPORT_INFO, RUN_INFO, check_trained_dir, is_run_dir, read_info
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -71,9 +77,9 @@ def check_out(out: Path, force: bool, protected: dict[str, Path]) -> None:
 def check_replaceable(out: Path) -> None:
     """``export --force`` replaces only an earlier export (a directory holding delft's EXPORT_INFO) or an empty
     directory: never the current directory, one above it, home, a file or a link (train --force's rule)."""
-    where, here = out.expanduser().resolve(), Path.cwd().resolve()
-    if where == here or where in here.parents or where == Path.home().resolve():
-        raise UserError(f"--force would replace {out} ({where}), which holds the current directory or your home",
+    if holds_cwd_or_home(out):
+        raise UserError(f"--force would replace {out} ({out.expanduser().resolve()}), which holds the current "
+                        "directory or your home",
                         "--out", "Name a new directory for the export, e.g. --out merged/NAME.")
     fix = "Choose a new --out or an earlier export; delft never deletes other data."
     if out.is_symlink():

@@ -49,7 +49,8 @@ def digit_loss_options(value: Any, default_type: str = "del_prob", name: str = "
     if not isinstance(value, Mapping):
         raise DigitLossTypeError(
             f"{name}={value!r} is a {type(value).__name__}; it takes a dict of delft's loss keys ({name}={_EXAMPLE}) "
-            f"or a loss type's name ({name}='del_prob')", fix=f"Pass one of the two; the types: {', '.join(LOSS_TYPES)}.")
+            f"or a loss type's name ({name}='del_prob')",
+            fix=f"Pass one of the two; the types: {', '.join(LOSS_TYPES)}.")
     try:
         config = LossConfig.model_validate({"type": default_type, **value})
     except ValidationError as exc:

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from delft import rundir
 from delft.errors import UserError
-from delft.outputs import said_removed, write_atomic
+from delft.outputs import holds_cwd_or_home, said_removed, write_atomic
 from delft.recipe import Recipe, load_recipe, recipe_differences
 from delft.rundir import latest_checkpoint
 from delft.training import distributed as dist
@@ -114,8 +114,7 @@ def check_replaceable(run_dir: Path) -> None:
                         "output.dir", "Remove the link, make the directory it points to, or choose another "
                         "output.dir.")
     where = run_dir.expanduser().resolve()
-    here = Path.cwd().resolve()
-    if str(run_dir).strip() in ("", ".") or where == here or where in here.parents or where == Path.home().resolve():
+    if str(run_dir).strip() in ("", ".") or holds_cwd_or_home(run_dir):
         raise UserError(f"output.dir {str(run_dir)!r} is {where}, which holds the current directory or your home",
                         "output.dir", "Name a directory of its own for the run, e.g. output.dir: runs/my-run.")
     if where.exists() and not where.is_dir():
