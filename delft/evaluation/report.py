@@ -13,7 +13,7 @@ from rich.table import Table
 from delft import __version__
 from delft.evaluation.metrics import place_order
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
-from delft.evaluation.scoring import ModelResult
+from delft.evaluation.results import ModelResult
 from delft.numbers.answers import Scored, canonical
 from delft.numbers.digits import place_name
 from delft.outputs import num, pct, write_figure

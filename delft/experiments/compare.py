@@ -347,7 +347,7 @@ def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict
                  ref_name: str, console: Console, tables: Console, command: str = "delft compare") -> None:
     """One table per seed (base and each recipe), then the seed means, to the terminal and tables.txt."""
     from delft.evaluation.report import render_table
-    from delft.evaluation.scoring import ModelResult
+    from delft.evaluation.results import ModelResult
 
     def show(title: str, results: list, notes: list[str]) -> None:
         for target in (console, tables):
@@ -373,7 +373,7 @@ def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict
 
 def _plot_results(columns: list[Column], means: list[dict], seeds: Sequence[int]) -> list:
     """What places_<set>.png shows: base and the seed means, or base and each recipe's first-seed run."""
-    from delft.evaluation.scoring import ModelResult
+    from delft.evaluation.results import ModelResult
 
     base = ModelResult("base", None, metrics=columns[0].result.metrics)
     if means:

@@ -263,7 +263,7 @@ def _show_teacher(key: str, section: dict, seeds: Sequence[int], console: Consol
     """A teacher-forced set's tables, as the greedy sets': one per training seed (base and each recipe's run),
     then the seed means, each with the differences from the reference; on the screen and in tables.txt."""
     from delft.evaluation.report import teacher_table
-    from delft.evaluation.scoring import ModelResult
+    from delft.evaluation.results import ModelResult
 
     st, models = section["settings"], section["models"]
     ref, first = st["reference"], models[0]["metrics"]

@@ -40,7 +40,8 @@ from rich.table import Table
 from delft.data import use_chat_template
 from delft.errors import UserError, VerificationError
 from delft import children
-from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files, describe_exit
+from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files
+from delft.children import describe_exit
 from delft.export.gguf_probe import PROBE_PROBLEMS, probe_files
 from delft.export.report import load_recipe_quietly
 from delft.numbers.answers import PLAIN_STOP_STRINGS
@@ -523,7 +524,8 @@ def _remove_gguf_phase(out: Path) -> None:
 
 def _record(out: Path, files: list[GgufFile], notes: list[str], checked: bool) -> None:
     """The figures into delft_export.json and a GGUF section into the model card, each rewritten whole."""
-    from delft.export.merge import CHECK_PROMPTS, EXPORT_INFO
+    from delft.export.report import CHECK_PROMPTS
+    from delft.rundir import EXPORT_INFO
 
     info_path = out / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}

@@ -43,7 +43,7 @@ class CheckInputs:
 
 
 def check_inputs(tokenizer) -> CheckInputs:
-    from delft.export.merge import CHECK_PROMPTS
+    from delft.export.report import CHECK_PROMPTS
 
     texts = list(CHECK_PROMPTS)
     if getattr(tokenizer, "chat_template", None):

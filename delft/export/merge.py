@@ -32,20 +32,9 @@ from rich.console import Console
 from delft.errors import UserError, VerificationError
 from delft.export.checks import check_disk, check_out, check_run_dir, local_param_count, normalize_dtype, tmp_prefix
 from delft.export.nf4 import apply_nf4_roundtrip
-from delft.export.report import (
-    CHECK_PROMPTS,
-    EXPORT_INFO,
-    FULL_MODEL,
-    MARKER,
-    ExportResult,
-    eval_headline,
-    export_info,
-    failure_text,
-    load_recipe_quietly,
-    model_card,
-    summary_table,
-    why_failed,
-)
+from delft.export.report import (CHECK_PROMPTS, FULL_MODEL, MARKER, ExportResult, eval_headline, export_info,
+    failure_text, load_recipe_quietly, model_card, summary_table, why_failed)
+from delft.rundir import EXPORT_INFO
 from delft.models.remote_code import check_remote_code
 from delft.models.sources import GGUF_SOURCE
 from delft.outputs import follow_umask, is_disk_full

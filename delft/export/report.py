@@ -13,7 +13,7 @@ from typing import Optional
 from rich.table import Table
 
 from delft.errors import UserError
-from delft.export.checks import human_size
+from delft.outputs import human_size
 from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
 
 

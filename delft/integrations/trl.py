@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from delft.integrations.hf import HIDDEN_KEYS, DigitLossMixin, last_hidden_states
+from delft.integrations.hf import HIDDEN_KEYS, DigitLossMixin
+from delft.models.loading import last_hidden_states
 from delft.losses.registry import LOSS_TYPES
 from delft.recipe import LossConfig
 from delft.training.digit_options import (RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch,

@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 from delft.errors import UserError
-from delft.export.merge import EXPORT_INFO, MARKER, _describe_merge, run_export
+from delft.rundir import EXPORT_INFO
+from delft.export.report import MARKER
+from delft.export.merge import _describe_merge, run_export
 from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
 from delft.export.report import eval_headline
 

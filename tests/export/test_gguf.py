@@ -281,7 +281,7 @@ def test_refuses_what_llama_cpp_cannot_convert_before_the_merge(tmp_path, tiny_m
 def test_failed_check_keeps_the_files_and_says_so(smol_export, smol_run, tmp_path, monkeypatch):
     import delft.export.gguf as gguf
     import delft.export.gguf_check as gguf_check
-    from delft.export.merge import ExportResult
+    from delft.export.report import ExportResult
 
     out, res = smol_export
     assert res.exit_code == 0, res.output

@@ -243,7 +243,8 @@ def grpo_trainer(model_dir, tmp_path, dataset, rewards=None, **extra):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from delft.integrations.grpo import DigitGRPOTrainer, exact_reward
+    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.numbers.rewards import exact_reward
 
     def varied(completions, **kwargs):  # a random-init model is never right: a reward that varies
         return [float(len(set(c))) for c in completions]
@@ -277,7 +278,7 @@ def test_grpos_auxiliary_term_without_gold_columns_is_refused_at_construction(ti
 def test_grpos_rewards_without_their_answer_column_are_refused_at_construction(tiny_model_dir, tmp_path):
     from datasets import Dataset
 
-    from delft.integrations.grpo import digit_reward
+    from delft.numbers.rewards import digit_reward
 
     rows = [{k: v for k, v in r.items() if k != "answer"} | {"final": r["answer"]} for r in trl_rows()]
     with pytest.raises(UserError) as err:
@@ -289,7 +290,8 @@ def test_grpos_rewards_without_their_answer_column_are_refused_at_construction(t
 def test_add_gold_columns_and_answer_column_train_a_grpo_step(tiny_model_dir, tmp_path):
     from datasets import Dataset
 
-    from delft.integrations.grpo import add_gold_columns, digit_reward, exact_reward
+    from delft.integrations.grpo import add_gold_columns
+    from delft.numbers.rewards import digit_reward, exact_reward
 
     rows = [{k: v for k, v in r.items() if k != "answer"} | {"final": r["answer"]} for r in trl_rows()]
     trainer = grpo_trainer(
@@ -324,7 +326,7 @@ def test_an_iterable_dataset_without_gold_columns_is_refused_at_its_first_batch_
                                                                                                   tmp_path):
     from datasets import IterableDataset
 
-    from delft.integrations.grpo import exact_reward
+    from delft.numbers.rewards import exact_reward
 
     scored = []
 
