@@ -44,7 +44,7 @@ def planned(recipe) -> dict:
 
     from rich.console import Console
 
-    from delft.training.plan import run_plan
+    from delft.planning.command import run_plan
 
     return run_plan(recipe, gpu_memory=None, console=Console(file=io.StringIO()))
 
@@ -69,7 +69,7 @@ def moment_dtypes(recipe) -> dict:
 
 
 def one(device: str, optimizer: str, steps: int, work: Path) -> dict:
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
 
     run = work / f"run-{optimizer}"
     sets = overrides(device, optimizer, steps, run)

@@ -74,7 +74,7 @@ def build(shape: str, liger: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from delft.models.loading import apply_liger_layers, apply_lora
-    from delft.recipe import LoraConfig
+    from delft.recipe.schema import LoraConfig
 
     H, I, heads, kv = SHAPES[shape]
     torch.manual_seed(0)

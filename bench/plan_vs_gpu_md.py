@@ -1,4 +1,4 @@
-"""delft.training.plan's estimate against the H200 measurements of docs/gpu.md; writes bench/results/plan_vs_gpu_md.json.
+"""delft.planning.memory's estimate against the H200 measurements of docs/gpu.md; writes bench/results/plan_vs_gpu_md.json.
 
     python bench/plan_vs_gpu_md.py      # instant: pure arithmetic on config dicts, no torch, no files read
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from delft.training import plan  # noqa: E402
+from delft.planning import memory as plan, shapes  # noqa: E402
 
 
 def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
@@ -35,11 +35,11 @@ def cpu_layer_cross_check(liger_rows: list[dict]) -> dict | None:
     measured = {r["shape"]: r for r in json.loads(path.read_text())["rows"]}
     rows = []
     for r in liger_rows:
-        c, cfg, m = r["components_gib"], plan.QWEN2[r["model"]], measured.get(r["model"])
+        c, cfg, m = r["components_gib"], shapes.QWEN2[r["model"]], measured.get(r["model"])
         if m is None:
             continue
         tokens = r["batch"] * r["seq"]
-        lin = plan._linears(plan.model_shape(cfg))
+        lin = shapes.linear_shapes(shapes.model_shape(cfg))
         dequant = plan.dequantised_copy(lin, 2) / plan.GiB
         layer = m["liger"]["backward_increment_per_token"] * tokens / plan.GiB + dequant
         persistent = c["weights_nf4"] + c["weights_16bit"] + c["lora_optimizer"] + c["activations"]
@@ -61,7 +61,7 @@ def main():
                "random-init Qwen2 shapes, nf4 + double quant, bf16, LoRA r=16 all-linear, no dropout, "
                "non-reentrant gradient checkpointing, CE over every position in chunks of 1024)",
         measured="torch.cuda.max_memory_allocated, warmup steps included",
-        estimate="delft.training.plan.plan_memory(...)['peak_allocated'] for the same recipe (fused_loss off)",
+        estimate="delft.planning.memory.plan_memory(...)['peak_allocated'] for the same recipe (fused_loss off)",
         probe_leftover=__doc__.split("\n\n")[1].replace("\n", " "),
         constants=dict(NF4_BYTES=plan.NF4_BYTES, LORA_BYTES=plan.LORA_BYTES, LAYER_H=plan.LAYER_H,
                        LAYER_I=plan.LAYER_I, LAYER_FIT=plan.LAYER_FIT, ALLOCATOR_SLACK=plan.ALLOCATOR_SLACK,

@@ -134,7 +134,7 @@ def summary(meter: Meter, warmup: int, tokens: list[int], positions: list[int], 
 
 
 def cpu_recipe(loss: str, packing: bool = False):
-    from delft.recipe import validate_recipe
+    from delft.recipe.schema import validate_recipe
 
     S = CPU_SETUP
     return validate_recipe({
@@ -222,7 +222,7 @@ def run_delft(spec: dict) -> dict:
     import torch
     from rich.console import Console
 
-    from delft.data import collate, collate_packed
+    from delft.data.batches import collate, collate_packed
     from delft.losses.loss import Loss
     from delft.losses.registry import FUSED_CE
     from delft.training.step import optimizer_step
@@ -235,7 +235,7 @@ def run_delft(spec: dict) -> dict:
         from delft.models.loading import apply_liger_layers, apply_lora, load_model
         from delft.models.sources import ModelRef
         from delft.numbers.digits import DigitVocab
-        from delft.recipe import validate_recipe
+        from delft.recipe.schema import validate_recipe
 
         size = spec["size"]
         recipe = validate_recipe({"lora": {"r": 16, "alpha": 32, "dropout": 0.0},
@@ -294,7 +294,7 @@ def run_paired(spec: dict) -> dict:
     import torch
     from rich.console import Console
 
-    from delft.data import collate, collate_packed
+    from delft.data.batches import collate, collate_packed
     from delft.losses.loss import Loss
     from delft.training.setup import build_model, setup
     from delft.training.step import optimizer_step

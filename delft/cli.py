@@ -153,7 +153,7 @@ def train(
                                        help="Allow more --nproc processes than GPUs (or CPU cores without GPUs)."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
     from delft.training.trainer import run_training
 
@@ -341,8 +341,8 @@ def recipe_check(
     """Validate a recipe and print it with every default resolved."""
     from rich.syntax import Syntax
 
-    from delft.recipe import dump_recipe, load_recipe
-    from delft.training.plan import parse_memory
+    from delft.recipe.files import dump_recipe, load_recipe
+    from delft.planning.memory import parse_memory
     from delft.training.precheck import check_before_loading
 
     if gpu_memory is not None:
@@ -359,7 +359,7 @@ def recipe_check(
     console.print(f"[green]ok[/] {recipe}: valid recipe")
     console.print(Syntax(dump_recipe(cfg), "yaml", theme="ansi_dark", background_color="default"))
     if plan:
-        from delft.training.plan import run_plan
+        from delft.planning.command import run_plan
 
         run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
     if show_examples:
@@ -372,7 +372,7 @@ def recipe_check(
 @friendly
 def recipe_keys():
     """Print every recipe key with its type, default and description (Markdown; docs/recipe_keys.md)."""
-    from delft.recipe_keys import reference_markdown
+    from delft.recipe.keys import reference_markdown
 
     sys.stdout.write(reference_markdown())
 

@@ -126,7 +126,8 @@ def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: in
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from delft.recipe import dump_recipe, validate_recipe
+    from delft.recipe.files import dump_recipe
+    from delft.recipe.schema import validate_recipe
     from delft.rundir import COMPLETED, RECIPE, architecture, write_info
 
     torch.manual_seed(seed)

@@ -5,10 +5,13 @@ import pytest
 from helpers import DATA
 
 from delft.numbers.tokens import IGNORE
-from delft.data import (build_datasets, collate, collate_packed, format_number, load_examples, render_pair,
-    synthetic_examples, tokenize_example)
+from delft.data.pipeline import build_datasets, load_examples
+from delft.data.batches import collate, collate_packed, tokenize_example
+from delft.data.sources import format_number
+from delft.data.prompts import render_pair
+from delft.data.generated import synthetic_examples
 from delft.errors import UserError
-from delft.recipe import DataConfig, SyntheticConfig
+from delft.recipe.schema import DataConfig, SyntheticConfig
 
 
 def cfg(**kw) -> DataConfig:
@@ -201,7 +204,7 @@ def test_counts_and_split(tiny_tokenizer):
 
 
 def test_collate_pads_right_and_masks_padding(tiny_tokenizer):
-    from delft.data import Tokenized
+    from delft.data.batches import Tokenized
 
     b = collate([Tokenized([5, 6, 7], [IGNORE, 6, 7]), Tokenized([8], [8])], pad_id=0)
     assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import recipe_file, run_cli
 
-from delft.data import load_examples
-from delft.recipe import DataConfig
+from delft.data.pipeline import load_examples
+from delft.recipe.schema import DataConfig
 
 GOOD = {"prompt_completion": {"prompt": "1 + 1 =", "completion": "2"},
         "alpaca": {"instruction": "Add 1 and 1.", "input": "", "output": "2"},

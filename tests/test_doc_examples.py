@@ -136,7 +136,8 @@ def yaml_params():
 
 @pytest.mark.parametrize("block", yaml_params())
 def test_yaml_block_is_valid_for_what_reads_it(block, tiny_model_dir, tmp_path):
-    from delft.recipe import Recipe, load_recipe
+    from delft.recipe.schema import Recipe
+    from delft.recipe.files import load_recipe
 
     path = tmp_path / "block.yaml"
     path.write_text(for_the_tiny_model(block.code, tiny_model_dir))

@@ -165,8 +165,9 @@ def test_the_citation_scan_finds_what_it_should(tmp_path):
 
 
 def test_the_recipe_keys_page_is_generated_from_the_schema():
-    from delft.recipe import Recipe, flat_keys
-    from delft.recipe_keys import reference_markdown
+    from delft.recipe.schema import Recipe
+    from delft.recipe.keys import flat_keys
+    from delft.recipe.keys import reference_markdown
 
     page = (REPO / "docs" / "recipe_keys.md").read_text()
     assert page == reference_markdown(), "docs/recipe_keys.md is stale: run `delft recipe keys > docs/recipe_keys.md`"

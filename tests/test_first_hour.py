@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from helpers import lora_run, recipe_file, run_cli, write_yaml
 
 import delft.training.trainer as train_mod
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.rundir import read_info
 from delft.training.best import Tracker
 from delft.training.precheck import busy_machine

@@ -12,7 +12,7 @@ import torch
 import yaml
 from helpers import adapter_weights, interrupt_on_step, lora_run, recipe_file, run_cli
 
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.rundir import RECIPE, RUN_INFO, STATE_FILE, latest_checkpoint
 from delft.training.trainer import run_training
 

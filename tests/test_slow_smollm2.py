@@ -15,7 +15,7 @@ def test_quickstart_trains_real_smollm2_and_adapter_loads_with_peft(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from delft.models.sources import ensure_smollm2
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.trainer import run_training
 
     recipe = load_recipe(QUICKSTART, ["train.max_steps=3", "train.eval_steps=3", f"output.dir={tmp_path / 'run'}",
@@ -48,7 +48,7 @@ def _weights(directory):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """SmolLM2-135M fully fine-tuned for 4 steps of 2 micro-batches (grad_accum 2), in one process."""
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.trainer import run_training
 
     root = tmp_path_factory.mktemp("full")
@@ -65,7 +65,7 @@ def test_full_finetuning_of_real_smollm2_changes_every_weight_resumes_exactly_an
     from training.test_distributed import finished, torchrun
 
     from delft.models.sources import ensure_smollm2
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.trainer import run_training
 
     base, tuned = _weights(ensure_smollm2()), _weights(full_run)

@@ -36,7 +36,8 @@ def resolve_settings(recipe_path: Optional[Path], runs: Sequence[str], model: Op
     """(recipe config, base model name, eval DataConfig, limit, runs) from the command line."""
     from pydantic import ValidationError
 
-    from delft.recipe import GENERATED, DataConfig, load_recipe
+    from delft.recipe.schema import GENERATED, DataConfig
+    from delft.recipe.files import load_recipe
 
     cfg = load_recipe(recipe_path, list(overrides))
     runs = list(runs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from delft.data import prompt_ids
+from delft.data.batches import prompt_ids
 from delft.numbers.answers import CHAT_STOP_STRINGS, PLAIN_STOP_STRINGS, cut_at_stop
 
 

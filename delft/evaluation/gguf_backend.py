@@ -67,7 +67,7 @@ def gguf_tokenizer(path: Path, base: Optional[str]):
 def evaluate_gguf(name: str, path: Path, problems, data_cfg, recipe_cfg, base: Optional[str] = None,
                   lora: Optional[Path] = None):
     """One GGUF column: prompts rendered as for transformers, answered in llama.cpp (a child process), scored."""
-    from delft.data import prompt_ids
+    from delft.data.batches import prompt_ids
     from delft.evaluation.results import eval_prompts, scored_result
 
     tokenizer = gguf_tokenizer(path, base)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.numbers.answers import parse_number
-from delft.recipe import EVAL_SEED_OFFSET
+from delft.recipe.schema import EVAL_SEED_OFFSET
 
 BOOTSTRAP_SEED = 0
 
@@ -42,7 +42,7 @@ def disjoint_from_training(data_cfg, train_data):
 
 def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
     """The eval problems with numeric gold answers; (problems, number skipped for lack of an answer)."""
-    from delft.data import load_examples
+    from delft.data.pipeline import load_examples
 
     examples = load_examples(data_cfg, "eval.data")
     problems, skipped = [], 0

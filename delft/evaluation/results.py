@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from delft.data import prompt_ids
+from delft.data.batches import prompt_ids
 from delft.evaluation.fewshot import fewshot_prompt, question_text
 from delft.evaluation.problems import Problem
 from delft.models.context import check_context, context_limit
@@ -37,7 +37,7 @@ class ModelResult:
 def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> tuple[bool, list[str], list[str]]:
     """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
     harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
-    from delft.data import render_prompt, use_chat_template
+    from delft.data.prompts import render_prompt, use_chat_template
     from delft.evaluation.generation import stop_strings
 
     if eval_cfg.fewshot is not None:

@@ -55,7 +55,7 @@ def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_
     NumberVocab (digit metrics per digit character, so number tokens of 1-3 digits work as single digits do)."""
     import torch
 
-    from delft.data import collate, tokenize_example
+    from delft.data.batches import collate, tokenize_example
 
     cfg = data_cfg.model_copy(update={"train_on_prompt": False})
     items = [tokenize_example(ex, tokenizer, cfg) for ex in examples]

@@ -29,7 +29,9 @@ from rich.console import Console
 from delft import __version__, signals
 from delft.errors import UserError
 from delft.outputs import check_output_dir, num, pct, result_set, tables_console, write_result
-from delft.recipe import Recipe, flat_keys, load_recipe, recipe_chain, recipe_differences
+from delft.recipe.schema import Recipe
+from delft.recipe.keys import flat_keys, recipe_differences
+from delft.recipe.files import load_recipe, recipe_chain
 from delft.rundir import (
     METRICS,
     RECIPE,
@@ -442,7 +444,7 @@ def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
     """The transfer eval set as a DataConfig, rendered like the training data (template, system prompt)."""
     from pydantic import ValidationError
 
-    from delft.recipe import DataConfig
+    from delft.recipe.schema import DataConfig
 
     fields = cfg.data.model_dump()
     fields.update(source=source, format=fmt, limit=limit, val_size=0)

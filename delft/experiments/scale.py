@@ -15,8 +15,8 @@ from typing import Sequence
 
 def parameters(report: dict) -> int:
     """The parameter count of the study's model (a scratch architecture, from its recipe), as --plan counts it."""
-    from delft.recipe import validate_recipe
-    from delft.training.plan import model_shape, parameter_counts, scratch_config
+    from delft.recipe.schema import validate_recipe
+    from delft.planning.shapes import model_shape, parameter_counts, scratch_config
 
     config, _ = scratch_config(validate_recipe(report["settings"]["recipe"]))
     return sum(parameter_counts(model_shape(config)))

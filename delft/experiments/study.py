@@ -28,16 +28,9 @@ from rich.console import Console
 from delft import __version__
 from delft.errors import UserError
 from delft.outputs import tables_console
-from delft.recipe import (
-    GENERATED,
-    DataConfig,
-    ReasoningGymConfig,
-    Recipe,
-    Section,
-    SyntheticConfig,
-    describe_error,
-    read_yaml,
-)
+from delft.recipe.schema import (GENERATED, DataConfig, ReasoningGymConfig, Recipe, Section, SyntheticConfig,
+    describe_error)
+from delft.recipe.files import read_yaml
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
@@ -130,8 +123,8 @@ def load_study(path: Path) -> StudyConfig:
 def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
     """A file source as given, or looked up in --data-dir when relative; missing files are refused now. A
     hub dataset id (no file suffix, no such path) is left to the data loader."""
-    from delft.data import LOCAL_LOADERS
-    from delft.data_fields import check_data_path
+    from delft.data.sources import LOCAL_LOADERS
+    from delft.data.fields import check_data_path
 
     path = Path(source).expanduser()
     in_dir = data_dir is not None and (data_dir / path).exists()

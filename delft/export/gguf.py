@@ -37,7 +37,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from delft.data import use_chat_template
+from delft.data.prompts import use_chat_template
 from delft.errors import UserError, VerificationError
 from delft import children
 from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files

@@ -27,7 +27,7 @@ def probe_recipe(run_dir: Path):
     synthetic held-out set when the eval set is not generated (a probe must not need a file or the hub), on the
     CPU in fp32 for the merged model."""
     from delft.export.report import load_recipe_quietly
-    from delft.recipe import GENERATED, Recipe
+    from delft.recipe.schema import GENERATED, Recipe
 
     cfg = load_recipe_quietly(run_dir) or Recipe()
     data = cfg.eval_data()

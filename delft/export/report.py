@@ -18,7 +18,7 @@ from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge a
 
 
 def load_recipe_quietly(run_dir: Path):
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
 
     path = run_dir / RECIPE
     if not path.is_file():
@@ -81,7 +81,7 @@ def eval_headline(run_dir: Path) -> list[tuple[str, str]]:
 
 
 def _is_hub_id(name: str) -> bool:
-    from delft.data import HUB_ID
+    from delft.data.sources import HUB_ID
 
     return bool(re.fullmatch(HUB_ID, name)) and not Path(name).expanduser().exists()
 

@@ -108,7 +108,9 @@ def _first_answer(lm, tok, vocab, spec: _Spec, prompt: str, prompt_text: str, ta
 def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], max_new_tokens: int, n_models: int,
                    result: Optional[InspectResult], first_vocab: Optional[dict]):
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
-    from delft.data import Example, prompt_ids, render_prompt, use_chat_template
+    from delft.data.sources import Example
+    from delft.data.batches import prompt_ids
+    from delft.data.prompts import render_prompt, use_chat_template
     from delft.models.loading import using_model
 
     with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
@@ -152,7 +154,7 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
                 json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
                 console: Optional[Console] = None) -> InspectResult:
     """The ``delft inspect`` command. Answers without digits print a note and return normally (exit 0)."""
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
 
     console = console or Console()
     cfg = load_recipe(recipe_path, list(overrides))

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from delft.data import prompt_ids
+from delft.data.batches import prompt_ids
 from delft.errors import UserError
 from delft.numbers.digits import DIGITS, number_runs, place_name, run_places, thousands_separators
 from delft.numbers.tokens import NumberVocab

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
-from delft.recipe import LossConfig
+from delft.recipe.schema import LossConfig
 
 _TYPE_PARAMS = {p for t in LOSS_TYPES.values() for p in t.params}  # options only some types take (dist2's tau)
 

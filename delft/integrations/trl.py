@@ -20,7 +20,7 @@ from typing import Optional
 from delft.integrations.hf import HIDDEN_KEYS, DigitLossMixin
 from delft.models.loading import last_hidden_states
 from delft.losses.registry import LOSS_TYPES
-from delft.recipe import LossConfig
+from delft.recipe.schema import LossConfig
 from delft.training.digit_options import (RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch,
                                           digit_loss_options)
 

@@ -14,7 +14,7 @@ import string
 
 from delft.models.sources import ModelRef, cache_dir, resolve_model
 from delft.outputs import follow_umask, staged
-from delft.recipe import CHAR_TOKENIZER, Recipe
+from delft.recipe.schema import CHAR_TOKENIZER, Recipe
 from delft.rundir import MODEL_CONFIG
 
 SCRATCH_DIR = "scratch"  # under delft's cache: one directory per (architecture, tokenizer, seed)

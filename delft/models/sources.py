@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from delft.data import HUB_ID, hub_reachable
+from delft.data.sources import HUB_ID, hub_reachable
 from delft.errors import UserError
 from delft.outputs import follow_umask, staged
 from delft.rundir import ADAPTER_CONFIG, MODEL_CONFIG

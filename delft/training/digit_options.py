@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
 from delft.outputs import write_atomic
-from delft.recipe import LossConfig, describe_error
+from delft.recipe.schema import LossConfig, describe_error
 
 SETTINGS_FILE = "digit_loss.json"
 RESUME_MISMATCH = ("refuse", "allow")  # digit_loss_resume_mismatch: what a resume with other settings does

@@ -26,7 +26,8 @@ from rich.console import Console
 from delft import rundir
 from delft.errors import UserError
 from delft.outputs import append_line, follow_umask, write_atomic
-from delft.recipe import Recipe, dump_recipe
+from delft.recipe.schema import Recipe
+from delft.recipe.files import dump_recipe
 from delft.training.checkpoints import AGAIN, check_data_only
 
 HF_CHECKPOINTS = ".hf"  # under checkpoints/: where transformers writes checkpoint-N before it is renamed
@@ -35,7 +36,9 @@ HF_CHECKPOINTS = ".hf"  # under checkpoints/: where transformers writes checkpoi
 def grpo_rows(recipe: Recipe, tokenizer) -> list[dict]:
     """The training prompts as TRL rows: the rendered prompt, the gold number the rewards read, and the gold
     solution tokenised as delft's SFT tokenises it (the auxiliary term's input)."""
-    from delft.data import load_examples, render_prompt, tokenize_example
+    from delft.data.pipeline import load_examples
+    from delft.data.prompts import render_prompt
+    from delft.data.batches import tokenize_example
     from delft.numbers.answers import parse_number
 
     rows = []

@@ -116,7 +116,7 @@ class DigitGRPOTrainer(_grpo_trainer()):
 
     def gold_batch(self, rows: list[dict]) -> GoldBatch:
         """The gold solutions of ``rows``, split over the micro-steps of one generation batch, with their counts."""
-        from delft.data import Tokenized, collate
+        from delft.data.batches import Tokenized, collate
 
         loss, device = self.digit_loss.loss, self.accelerator.device
         items = [Tokenized(list(r["gold_input_ids"]), list(r["gold_labels"])) for r in rows]

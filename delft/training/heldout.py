@@ -38,7 +38,7 @@ class HeldOut:
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
-        from delft.data import render_prompt, use_chat_template
+        from delft.data.prompts import render_prompt, use_chat_template
         from delft.evaluation.generation import stop_strings
         from delft.evaluation.problems import load_problems
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from delft.data import is_data_file, load_examples
+from delft.data.sources import is_data_file
+from delft.data.pipeline import load_examples
 from delft.errors import UserError
 from delft.models.loading import resolve_device
-from delft.recipe import GENERATED
+from delft.recipe.schema import GENERATED
 from delft.training.setup import CUDA_OPTIMIZERS
 from delft.training.tracking import check_backends
 

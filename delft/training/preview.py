@@ -10,7 +10,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from delft.recipe import Recipe
+from delft.recipe.schema import Recipe
 
 
 @dataclass

@@ -15,7 +15,9 @@ from rich.console import Console
 from delft import rundir
 from delft.errors import UserError
 from delft.outputs import holds_cwd_or_home, said_removed, write_atomic
-from delft.recipe import Recipe, load_recipe, recipe_differences
+from delft.recipe.schema import Recipe
+from delft.recipe.files import load_recipe
+from delft.recipe.keys import recipe_differences
 from delft.rundir import latest_checkpoint
 from delft.training import distributed as dist
 

@@ -8,7 +8,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from delft.recipe import Recipe
+from delft.recipe.schema import Recipe
 
 
 @dataclass

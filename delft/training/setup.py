@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.recipe import Recipe
+from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
 
 
@@ -29,7 +29,7 @@ class Setup:
 
 
 def setup(recipe: Recipe) -> Setup:
-    from delft.data import build_datasets
+    from delft.data.pipeline import build_datasets
     from delft.losses.loss import Loss
     from delft.models.loading import load_tokenizer, resolve_device, resolve_quantization
     from delft.models.scratch import recipe_model_ref

@@ -42,7 +42,7 @@ def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -
     """Validation loss, CE and term, each normalised over the whole validation set."""
     import torch
 
-    from delft.data import collate
+    from delft.data.batches import collate
     from delft.losses.loss import Counts, Sums
 
     model.eval()

@@ -74,7 +74,7 @@ class Reporters:
                 mlflow.set_tracking_uri((self.run_dir / MLFLOW_DIR).resolve().as_uri())
             self.mlflow = mlflow
             mlflow.start_run(run_name=name)
-            from delft.recipe import flat_keys
+            from delft.recipe.keys import flat_keys
 
             mlflow.log_params({k: str(v)[:500] for k, v in flat_keys(config).items()})
 

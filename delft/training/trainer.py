@@ -23,7 +23,8 @@ from rich.console import Console
 from delft import rundir, signals
 from delft.errors import UserError
 from delft.outputs import append_line, follow_umask, no_space_is_a_user_error, staged, write_atomic
-from delft.recipe import Recipe, dump_recipe
+from delft.recipe.schema import Recipe
+from delft.recipe.files import dump_recipe
 from delft.training import distributed as dist
 from delft.training.best import BEST_DIR, BEST_INFO, Tracker
 from delft.training.checkpoints import (
@@ -162,7 +163,7 @@ class Trainer:
     # -- steps
 
     def batch(self, index: int) -> dict:
-        from delft.data import collate, collate_packed
+        from delft.data.batches import collate, collate_packed
 
         items = micro_batch_items(self.s.train, self.recipe, self.schedule, index)
         pad_id = self.s.tokenizer.pad_token_id

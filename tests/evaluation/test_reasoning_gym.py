@@ -9,10 +9,11 @@ import pytest
 from helpers import recipe_file
 from rich.console import Console
 
-from delft.data import load_examples
+from delft.data.pipeline import load_examples
 from delft.errors import UserError
 from delft.evaluation.command import run_eval
-from delft.recipe import DataConfig, load_recipe
+from delft.recipe.schema import DataConfig
+from delft.recipe.files import load_recipe
 
 FAST = ["eval.max_new_tokens=6", "eval.batch_size=4", "eval.bootstrap=50"]
 

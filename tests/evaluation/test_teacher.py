@@ -10,11 +10,11 @@ from rich.console import Console
 from tiny import save_tiny
 
 import delft.evaluation.teacher_forced as teacher_mod
-from delft.data import tokenize_example
+from delft.data.batches import tokenize_example
 from delft.evaluation.command import run_eval
 from delft.numbers.digits import place_name
 from delft.numbers.tokens import IGNORE
-from delft.recipe import DataConfig
+from delft.recipe.schema import DataConfig
 
 FAST = ["eval.max_new_tokens=3", "eval.batch_size=3", "eval.bootstrap=200"]
 GSM8K = DATA / "gsm8k_test.jsonl"
@@ -62,7 +62,7 @@ def test_teacher_forced_equals_full_logits(tiny_model_dir, tiny_lora_run, tmp_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from delft.data import load_examples
+    from delft.data.pipeline import load_examples
 
     monkeypatch.setattr(teacher_mod, "CHUNK_POSITIONS", 7)  # many chunks per batch: their seams must not show
     out, png = tmp_path / "eval.json", tmp_path / "places.png"
@@ -148,7 +148,7 @@ def test_teacher_forced_scores_every_digit_of_multi_digit_number_tokens(tmp_path
     equal to the brute-force per-character reading of the full logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from delft.data import load_examples
+    from delft.data.pipeline import load_examples
 
     chunked = save_tiny(tmp_path / "chunked", chunked_digits=True)
     out = tmp_path / "eval.json"

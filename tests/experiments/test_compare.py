@@ -8,7 +8,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.experiments.compare import resolve_contenders, run_compare
-from delft.recipe import flat_keys
+from delft.recipe.keys import flat_keys
 
 COMPARE = REPO / "recipes" / "compare"
 

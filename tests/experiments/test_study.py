@@ -11,7 +11,7 @@ from rich.console import Console
 from delft.errors import UserError
 from delft.evaluation.metrics import Z_LEVEL, Z_POWER, mdd
 from delft.experiments.study import _contenders, eval_data, load_study, run_study
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
 LOSS_STUDIES = [p for p in STUDIES if p.name in ("arithmetic.study.yaml", "worked.study.yaml")]  # SmolLM2 LoRA

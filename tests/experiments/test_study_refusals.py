@@ -12,7 +12,7 @@ from helpers import run_cli, write_arms, write_yaml
 
 from delft.errors import UserError
 from delft.experiments.study import eval_data, load_study
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ def test_modelfile_prompts_as_the_run_trained_and_decodes_as_delft_evaluated(tin
     prompt gets that one, not the tokenizer's default; both decode greedily for eval.max_new_tokens tokens."""
     from helpers import recipe_file
 
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
 
     tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
     tok.chat_template = CHATML
@@ -155,7 +155,7 @@ def test_a_read_only_cache_is_refused_before_the_converter_is_fetched(tmp_path, 
 @pytest.fixture(scope="module")
 def smol_run(tmp_path_factory) -> Path:
     """SmolLM2-135M trained two steps (the packaged quickstart recipe, shortened)."""
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.trainer import run_training
 
     root = tmp_path_factory.mktemp("gguf")

@@ -84,8 +84,9 @@ def reference(model, tokenizer, prompt_text: str, answer_ids: list[int]):
 
 
 def chat_prompt(tokenizer, prompt=PROMPT):
-    from delft.data import Example, render_prompt
-    from delft.recipe import DataConfig
+    from delft.data.sources import Example
+    from delft.data.prompts import render_prompt
+    from delft.recipe.schema import DataConfig
 
     return render_prompt(Example(prompt, ""), tokenizer, DataConfig())
 

@@ -9,8 +9,9 @@ pytest.importorskip("trl")
 
 
 def rows(tokenizer, n=8):
-    from delft.data import Example, tokenize_example
-    from delft.recipe import DataConfig
+    from delft.data.sources import Example
+    from delft.data.batches import tokenize_example
+    from delft.recipe.schema import DataConfig
 
     cfg = DataConfig(template="plain", max_length=64)
     out = []
@@ -79,7 +80,7 @@ def test_with_mu_zero_it_is_trls_grpo_trainer(tiny_model_dir, tmp_path):
 
 def test_the_auxiliary_term_is_delfts_sft_loss_on_the_gold_batch(tiny_model_dir, tmp_path):
 
-    from delft.data import Tokenized, collate
+    from delft.data.batches import Tokenized, collate
     from delft.training.grpo_trainer import DigitGRPOTrainer
     from delft.losses.modules import DigitLoss
 

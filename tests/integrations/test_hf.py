@@ -70,7 +70,7 @@ def trainer_step(model, tok, rows, batch_size: int, accumulation: int, digit_los
 def delft_step(model, tok, rows, digit_loss: dict, grad_accum: int = 1):
     """The same optimizer batch through delft's own loop (delft.training.step.optimizer_step), one micro-batch a row."""
     from delft.losses.loss import Loss
-    from delft.recipe import LossConfig
+    from delft.recipe.schema import LossConfig
     from delft.training.step import optimizer_step
 
     opts = dict(digit_loss)

@@ -16,7 +16,7 @@ from tiny import build_model, build_tokenizer
 from delft.losses.heads import resolve_fused
 from delft.losses.loss import Loss
 from delft.numbers.tokens import NumberVocab
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.training.trainer import run_training
 
 
@@ -74,7 +74,7 @@ def test_fused_ce_and_digit_term_match_the_chunked_path():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_liger_layer_kernels_give_the_eager_loss_and_gradients(restore_rope, arch):
     from delft.models.loading import apply_liger_layers, apply_lora
-    from delft.recipe import LoraConfig, LossConfig
+    from delft.recipe.schema import LoraConfig, LossConfig
     from delft.training.step import forward_sums, targets
 
     tok = build_tokenizer()

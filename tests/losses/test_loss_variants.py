@@ -18,7 +18,8 @@ from delft.losses.modules import term_mean
 from delft.losses.terms import TERMS
 from delft.numbers.digits import place_weight
 from delft.numbers.tokens import NumberVocab
-from delft.recipe import LossConfig, load_recipe
+from delft.recipe.schema import LossConfig
+from delft.recipe.files import load_recipe
 
 VARIANTS = ["del_prob", "del_centered"]
 

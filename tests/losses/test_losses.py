@@ -17,7 +17,7 @@ from delft.losses.modules import DigitEntropyLoss, Dist2Loss, NumberTokenLoss, f
 from delft.losses.registry import LOSS_TYPES
 from delft.losses.terms import del_term
 from delft.numbers.tokens import NumberVocab
-from delft.recipe import LossConfig
+from delft.recipe.schema import LossConfig
 
 LN2 = math.log(2)
 TYPES = [name for name, t in LOSS_TYPES.items() if t.has_term]  # every registered digit term

@@ -160,7 +160,7 @@ def test_train_setup_accepts_number_tokens_and_refuses_glued_digits(tmp_path, ll
     from tiny import save_tiny
 
     from delft.errors import UserError
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.setup import setup
 
     s = setup(load_recipe(recipe_file(tmp_path, llama3_model_dir)))
@@ -182,7 +182,7 @@ def llama3_run(llama3_model_dir, tmp_path_factory):
     """A short `delft train` (DEL) of the tiny Llama-3-vocabulary model on answers that are one number."""
     from helpers import recipe_file
 
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.trainer import run_training
 
     tmp = tmp_path_factory.mktemp("llama3run")
@@ -254,8 +254,10 @@ def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
 def test_plan_counts_the_number_token_rows(tmp_path, llama3_model_dir):
     from helpers import recipe_file
 
-    from delft.recipe import load_recipe
-    from delft.training.plan import plan_memory, run_plan, with_number_tokens
+    from delft.recipe.files import load_recipe
+    from delft.planning.memory import plan_memory
+    from delft.planning.command import run_plan
+    from delft.planning.shapes import with_number_tokens
 
     recipe = load_recipe(recipe_file(tmp_path, llama3_model_dir, data={"max_length": 256}))
     config = json.loads((llama3_model_dir / "config.json").read_text())

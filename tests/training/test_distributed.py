@@ -84,7 +84,7 @@ def test_each_rank_takes_a_disjoint_share_of_every_optimizer_batch(monkeypatch):
 
 
 def test_schedule_counts_optimizer_batches_of_all_ranks(tmp_path, tiny_model_dir):
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.schedule import make_schedule
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir, train={"max_steps": None, "epochs": 1,
@@ -103,7 +103,7 @@ def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, ti
     from rich.console import Console
 
     from delft.errors import UserError
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.training.distributed import check_resume
 
     saved = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="a", train={"grad_accum": 2}))
@@ -120,8 +120,8 @@ def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, ti
 
 def test_ranks_of_the_test_batch_hold_different_digit_counts(tmp_path, tiny_model_dir, monkeypatch):
     """The equivalence below is only a test of the count all-reduce if the ranks' shares differ in digits."""
-    from delft.data import collate
-    from delft.recipe import load_recipe
+    from delft.data.batches import collate
+    from delft.recipe.files import load_recipe
     from delft.training.distributed import micro_indices
     from delft.training.schedule import make_schedule, micro_batch_items
     from delft.training.setup import setup
@@ -150,7 +150,7 @@ LOGGED = ("loss", "ce", "term", "digit_logit", "p_digit", "val_loss", "val_ce", 
                                                   (torchrun, "reference")],
                          ids=["torchrun", "accelerate", "torchrun-reference"])
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch, normalisation):
-    from delft.recipe import load_recipe
+    from delft.recipe.files import load_recipe
     from delft.rundir import read_info
     from delft.training.trainer import run_training
 
@@ -218,8 +218,9 @@ def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, tiny_mode
 def test_plan_per_gpu_adds_only_nccl_buffers_for_several_processes(tmp_path, tiny_model_dir):
     from rich.console import Console
 
-    from delft.recipe import load_recipe
-    from delft.training.plan import NCCL_BUFFERS, run_plan
+    from delft.recipe.files import load_recipe
+    from delft.planning.memory import NCCL_BUFFERS
+    from delft.planning.command import run_plan
 
     recipe = load_recipe(recipe_file(tmp_path, tiny_model_dir))
     console = Console(record=True, width=200)

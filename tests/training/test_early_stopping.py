@@ -9,7 +9,7 @@ from helpers import adapter_weights, interrupt_on_step, recipe_file, write_yaml
 
 import delft.training.trainer as train_mod
 from delft.errors import UserError
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.rundir import read_info, snapshot_path
 from delft.training.best import Tracker
 from delft.training.trainer import run_training

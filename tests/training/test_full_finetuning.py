@@ -10,7 +10,7 @@ from helpers import interrupt_on_step, recipe_file, run_cli, write_yaml
 from safetensors.torch import load_file
 
 from delft.errors import UserError
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.rundir import is_finished_run, latest_checkpoint, read_info, snapshot_path
 from delft.training.trainer import run_training
 

@@ -13,7 +13,7 @@ from helpers import REPO, recipe_file
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.training.trainer import run_training
 
 pytest.importorskip("trl")

@@ -17,7 +17,7 @@ from helpers import adapter_weights, read_only_dir, recipe_file
 import delft.training.report as train_report
 import delft.training.step as train_step
 from delft.errors import UserError
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.rundir import CHECKPOINTS, METRICS, RUN_INFO, checkpoints, latest_checkpoint, read_info
 from delft.training.trainer import run_training
 
@@ -65,14 +65,14 @@ def test_recipe_that_is_a_directory(tmp_path):
 
 
 def data_cfg(source, fmt="prompt_completion", **kw):
-    from delft.recipe import DataConfig
+    from delft.recipe.schema import DataConfig
 
     return DataConfig(source=str(source), format=fmt, **kw)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
 def test_a_data_file_with_a_non_utf8_byte_names_file_and_line(tmp_path, suffix):
-    from delft.data import load_examples
+    from delft.data.pipeline import load_examples
 
     good = {".jsonl": b'{"prompt": "a", "completion": "1"}\n',
             ".json": b'[{"prompt": "a", "completion": "1"},\n', ".csv": b"prompt,completion\n"}[suffix]
@@ -83,7 +83,7 @@ def test_a_data_file_with_a_non_utf8_byte_names_file_and_line(tmp_path, suffix):
 
 
 def test_a_count_val_size_may_not_take_most_of_the_data(tmp_path, tiny_tokenizer):
-    from delft.data import build_datasets
+    from delft.data.pipeline import build_datasets
 
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i} + 1", "completion": str(i + 1)}) + "\n" for i in range(40)))
@@ -96,7 +96,9 @@ def test_a_count_val_size_may_not_take_most_of_the_data(tmp_path, tiny_tokenizer
 
 
 def test_a_huge_line_is_cut_before_tokenizing_and_counted(tmp_path, tiny_tokenizer):
-    from delft.data import CHARS_PER_TOKEN_BUDGET, Example, build_datasets, tokenize_example
+    from delft.data.batches import CHARS_PER_TOKEN_BUDGET, tokenize_example
+    from delft.data.sources import Example
+    from delft.data.pipeline import build_datasets
 
     cfg = data_cfg(tmp_path / "unused.jsonl", max_length=16)
     budget = 16 * CHARS_PER_TOKEN_BUDGET

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.evaluation.command import run_eval
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.training.trainer import run_training
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import adapter_weights, interrupt_on_step, recipe_file, run_cli, write_yaml
 
 from delft.errors import UserError
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.training.trainer import run_training
 
 

@@ -2,12 +2,12 @@
 
 from helpers import recipe_file, run_cli
 
-from delft.recipe import load_recipe
+from delft.recipe.files import load_recipe
 from delft.training.preview import preview_examples
 
 
 def test_the_preview_marks_what_the_trainer_trains_and_scores(tmp_path, tiny_model_dir):
-    from delft.data import collate
+    from delft.data.batches import collate
     from delft.training.schedule import make_schedule, micro_batch_items
     from delft.training.setup import setup
 

@@ -1,4 +1,4 @@
-"""delft.training.plan: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
+"""delft.planning: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
 
 import json
 
@@ -7,17 +7,10 @@ import yaml
 from helpers import run_cli
 
 from delft.errors import UserError
-from delft.recipe import validate_recipe
-from delft.training.plan import (
-    CALIBRATION,
-    QWEN2,
-    SMOLLM2_CONFIG,
-    GiB,
-    calibration_table,
-    liger_calibration_table,
-    parse_memory,
-    plan_memory,
-)
+from delft.recipe.schema import validate_recipe
+from delft.planning.memory import (CALIBRATION, GiB, calibration_table, liger_calibration_table, parse_memory,
+    plan_memory)
+from delft.planning.shapes import QWEN2, SMOLLM2_CONFIG
 
 
 def recipe(**sections):
@@ -139,7 +132,7 @@ def test_cli_plan_1gib_does_not_fit_names_a_knob_and_exits_2(tmp_path):
 def test_run_plan_raises_with_the_plan_when_it_does_not_fit(tmp_path):
     from rich.console import Console
 
-    from delft.training.plan import PlanDoesNotFit, run_plan
+    from delft.planning.command import PlanDoesNotFit, run_plan
 
     model = tmp_path / "smol"
     model.mkdir()
@@ -214,7 +207,7 @@ def test_plan_takes_the_fused_path_by_trainings_rule():
     import importlib.util
 
     from delft.losses.registry import fused_applies
-    from delft.training.plan import planned_fused
+    from delft.planning.memory import planned_fused
 
     have = importlib.util.find_spec("liger_kernel") is not None
     for mode in ("off", "auto", "on"):

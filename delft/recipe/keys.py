@@ -1,5 +1,6 @@
-"""Every recipe key, its type, default and description, as Markdown generated from the schema (delft.recipe):
-``docs/recipe_keys.md`` is this module's output (a test keeps it current; ``delft recipe keys`` prints it)."""
+"""Recipe keys as data: every key flattened to its dotted path, the keys two recipes differ in (resume and
+compare use it), and the Markdown key reference ``docs/recipe_keys.md`` generated from the schema (a test keeps
+it current; ``delft recipe keys`` prints it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,30 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-HEADER = ("# Every recipe key\n\nGenerated from the schema (`delft/recipe.py`) by `delft recipe keys > "
+from delft.recipe.schema import Recipe
+
+
+def flat_keys(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: {"train": {"seed": 0}} -> {"train.seed": 0}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_keys(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def recipe_differences(old: Recipe, new: Recipe, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys whose values differ, skipping keys equal to or under any prefix in ``ignore``."""
+    a, b = flat_keys(old.to_dict()), flat_keys(new.to_dict())
+    keys = list(a) + [k for k in b if k not in a]
+    return [k for k in keys
+            if not any(k == p or k.startswith(p + ".") for p in ignore) and a.get(k) != b.get(k)]
+
+
+HEADER = ("# Every recipe key\n\nGenerated from the schema (`delft/recipe/schema.py`) by `delft recipe keys > "
           "docs/recipe_keys.md`; a test fails when it is stale. A key not listed here is refused with a "
           "did-you-mean. [recipes.md](recipes.md) explains them with the quickstart recipe.\n")
 
@@ -67,7 +91,6 @@ def _rows(model, prefix: str) -> list[str]:
 
 
 def reference_markdown() -> str:
-    from delft.recipe import Recipe
 
     lines = [HEADER]
     for name, field in Recipe.model_fields.items():

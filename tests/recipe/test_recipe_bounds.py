@@ -70,7 +70,7 @@ def test_a_study_file_is_read_within_the_same_bounds(tmp_path):
 def test_the_shipped_recipes_and_studies_are_within_bounds():
     from helpers import REPO
 
-    from delft.recipe import read_yaml
+    from delft.recipe.files import read_yaml
 
     for path in sorted(REPO.joinpath("recipes").rglob("*.yaml")):
         assert isinstance(read_yaml(path), dict), path

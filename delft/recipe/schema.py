@@ -1,7 +1,7 @@
-"""Recipes: one YAML file, typed sections, unknown keys rejected with a did-you-mean.
-
-The field descriptions below are the documentation (``delft recipe check`` prints the resolved values).
-"""
+"""The recipe schema: one typed section per YAML block (model, quantization, lora, data, train, grpo, loss, eval,
+output), each key with its default, bounds and a description that is its documentation. An unknown key is
+refused with a did-you-mean; a wrong value with the key's path and what it accepts. Torch-free: the CLI and
+``delft recipe check`` load it without torch."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
-from delft.recipe_yaml import load_bounded, parse_overrides, read_text
 
 # Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
 EVAL_SEED_OFFSET = 1_000_003
@@ -512,13 +509,6 @@ class Recipe(Section):
         return data
 
 
-def _merge(base: dict, over: dict) -> dict:
-    merged = dict(base)
-    for k, v in over.items():
-        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
-    return merged
-
-
 def _fields_at(loc: tuple, root: Any = None) -> list[str]:
     """Valid keys of the section that holds ``loc`` in ``root`` (default: Recipe), for did-you-mean."""
     model: Any = root or Recipe
@@ -571,101 +561,3 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
         problems = "; ".join(describe_error(err) for err in e.errors())
         raise UserError(f"invalid recipe: {problems}", where,
                         "Fix the key(s) named above; `delft recipe check FILE` validates without running.") from None
-
-
-BASE_KEY = "base"
-
-
-def read_yaml(path: Path) -> dict:
-    """A recipe or study file as plain values, within recipe_yaml's bounds (size, no aliases, depth, keys once)."""
-    text = read_text(path)
-    try:
-        data = load_bounded(text, str(path))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", str(path),
-                        "Fix the YAML syntax (indentation, colons, quotes).") from None
-    if data is None:
-        raise UserError("empty recipe (no sections at all)", str(path),
-                        "Write at least the sections you mean to set; start from recipes/quickstart.yaml.")
-    if not isinstance(data, dict):
-        raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", str(path),
-                        "Start from recipes/quickstart.yaml.")
-    return data
-
-
-def recipe_chain(path: str | Path) -> list[Path]:
-    """The recipe file and the files it extends through ``base:``, nearest first (cycles are errors)."""
-    chain: list[Path] = []
-    current: Optional[Path] = Path(path)
-    while current is not None:
-        if any(current.resolve() == p.resolve() for p in chain):
-            loop = " -> ".join(str(p) for p in [*chain, current])
-            raise UserError(f"recipe bases form a cycle: {loop}", str(chain[0]), "Remove one of the base: keys.")
-        data = read_yaml(current)
-        chain.append(current)
-        base = data.get(BASE_KEY)
-        if base is None:
-            current = None
-        elif isinstance(base, str) and base.strip():
-            current = current.parent / base  # relative to the file that names it
-            if not current.is_file():
-                raise UserError(f"base recipe {base!r} does not exist (looked for {current})", str(chain[-1]),
-                                "base: is a path relative to the recipe file that names it.")
-        else:
-            raise UserError(f"base: must be a path to another recipe, not {base!r}", str(chain[-1]),
-                            "e.g. base: base.yaml (relative to this file).")
-    return chain
-
-
-def read_recipe_data(path: str | Path) -> dict:
-    """A recipe file as a plain dict with its ``base:`` chain merged in (deep; the extending file wins)."""
-    data: dict = {}
-    for p in reversed(recipe_chain(path)):
-        layer = dict(read_yaml(p))
-        layer.pop(BASE_KEY, None)
-        data = _merge(data, layer)
-    return data
-
-
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Read (following ``base:``), merge ``--set`` overrides, validate. ``path=None`` starts from the defaults.
-
-    A top-level ``base: other.yaml`` (relative to the file) makes the recipe extend another: sections merge
-    key by key, the extending file wins, lists and scalars are replaced whole; bases may chain.
-    """
-    data: dict = {}
-    where = "command line"
-    if path is not None:
-        path = Path(path)
-        where = str(path)
-        data = read_recipe_data(path)
-    if overrides:
-        data = _merge(data, parse_overrides(overrides))
-        where += " (with --set overrides)"
-    return validate_recipe(data, where)
-
-
-def flat_keys(d: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested sections as dotted keys: {"train": {"seed": 0}} -> {"train.seed": 0}."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flat_keys(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def recipe_differences(old: Recipe, new: Recipe, ignore: tuple[str, ...] = ()) -> list[str]:
-    """Dotted keys whose values differ, skipping keys equal to or under any prefix in ``ignore``."""
-    a, b = flat_keys(old.to_dict()), flat_keys(new.to_dict())
-    keys = list(a) + [k for k in b if k not in a]
-    return [k for k in keys
-            if not any(k == p or k.startswith(p + ".") for p in ignore) and a.get(k) != b.get(k)]
-
-
-def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

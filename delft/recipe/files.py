@@ -1,22 +1,105 @@
-"""Reading a recipe's (or a study's, or a ``--set`` value's) YAML within bounds: at most ``MAX_BYTES``, no anchors
-or aliases, nesting at most ``MAX_DEPTH`` deep, no key twice in one mapping, only plain YAML (safe_load's types).
-
-A recipe is short and flat, so none of these limits bites a real one; each stops a file that would cost memory or
-crash the loader instead of saying what is wrong. Anchors and depth are checked on the parser's events, before any
-node is built: an alias bomb (a few lines whose aliases expand to gigabytes) is refused without being expanded,
-and PyYAML's composer (recursive, one Python frame per level) never sees a deep nest.
-"""
+"""Recipe and study files on disk: read within bounds (size, no anchors or aliases, depth, each key once), a
+``base:`` chain merged, ``--set`` overrides parsed, validated into a Recipe, and written back as YAML."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
 from delft.errors import UserError
+from delft.recipe.schema import Recipe, validate_recipe
+
+
+def _merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+BASE_KEY = "base"
+
+
+def read_yaml(path: Path) -> dict:
+    """A recipe or study file as plain values, within this module's bounds (size, no aliases, depth, keys once)."""
+    text = read_text(path)
+    try:
+        data = load_bounded(text, str(path))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"is not valid YAML{at}: {getattr(e, 'problem', e)}", str(path),
+                        "Fix the YAML syntax (indentation, colons, quotes).") from None
+    if data is None:
+        raise UserError("empty recipe (no sections at all)", str(path),
+                        "Write at least the sections you mean to set; start from recipes/quickstart.yaml.")
+    if not isinstance(data, dict):
+        raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", str(path),
+                        "Start from recipes/quickstart.yaml.")
+    return data
+
+
+def recipe_chain(path: str | Path) -> list[Path]:
+    """The recipe file and the files it extends through ``base:``, nearest first (cycles are errors)."""
+    chain: list[Path] = []
+    current: Optional[Path] = Path(path)
+    while current is not None:
+        if any(current.resolve() == p.resolve() for p in chain):
+            loop = " -> ".join(str(p) for p in [*chain, current])
+            raise UserError(f"recipe bases form a cycle: {loop}", str(chain[0]), "Remove one of the base: keys.")
+        data = read_yaml(current)
+        chain.append(current)
+        base = data.get(BASE_KEY)
+        if base is None:
+            current = None
+        elif isinstance(base, str) and base.strip():
+            current = current.parent / base  # relative to the file that names it
+            if not current.is_file():
+                raise UserError(f"base recipe {base!r} does not exist (looked for {current})", str(chain[-1]),
+                                "base: is a path relative to the recipe file that names it.")
+        else:
+            raise UserError(f"base: must be a path to another recipe, not {base!r}", str(chain[-1]),
+                            "e.g. base: base.yaml (relative to this file).")
+    return chain
+
+
+def read_recipe_data(path: str | Path) -> dict:
+    """A recipe file as a plain dict with its ``base:`` chain merged in (deep; the extending file wins)."""
+    data: dict = {}
+    for p in reversed(recipe_chain(path)):
+        layer = dict(read_yaml(p))
+        layer.pop(BASE_KEY, None)
+        data = _merge(data, layer)
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read (following ``base:``), merge ``--set`` overrides, validate. ``path=None`` starts from the defaults.
+
+    A top-level ``base: other.yaml`` (relative to the file) makes the recipe extend another: sections merge
+    key by key, the extending file wins, lists and scalars are replaced whole; bases may chain.
+    """
+    data: dict = {}
+    where = "command line"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        data = read_recipe_data(path)
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+        where += " (with --set overrides)"
+    return validate_recipe(data, where)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
 
 MAX_BYTES = 1_000_000  # a recipe is a few kilobytes; this leaves room for long prompts and lists
+
+
 MAX_DEPTH = 32  # sections nest four or five deep; PyYAML's composer fails near a few hundred
 
 
@@ -93,7 +176,7 @@ def read_text(path: Path) -> str:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["train.max_steps=50", "loss.type=ce"]`` -> nested dict; values parsed as YAML (within recipe_yaml's
+    """``["train.max_steps=50", "loss.type=ce"]`` -> nested dict; values parsed as YAML (within this module's
     bounds). A later --set of the same key wins; one below a key that an earlier --set made a value is refused."""
     out: dict[str, Any] = {}
     for item in items:

@@ -3,7 +3,7 @@
 import pytest
 
 from delft.errors import UserError
-from delft.recipe import load_recipe, read_recipe_data, recipe_chain
+from delft.recipe.files import load_recipe, read_recipe_data, recipe_chain
 
 
 def write(path, text: str):

@@ -5,8 +5,8 @@ import yaml
 from helpers import REPO
 
 from delft.errors import UserError
-from delft.recipe import load_recipe
-from delft.recipe_yaml import parse_overrides
+from delft.recipe.files import load_recipe
+from delft.recipe.files import parse_overrides
 
 RECIPES = sorted(p for p in REPO.joinpath("recipes").rglob("*.yaml")
                  if not p.name.endswith(".study.yaml"))  # study files: tests/test_study.py

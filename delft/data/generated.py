@@ -1,0 +1,100 @@
+"""Examples made by a generator instead of read from a file: delft's synthetic arithmetic and reasoning-gym's
+procedural tasks (an optional library, imported when a recipe asks for it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import random
+from decimal import Decimal
+
+from delft.data.sources import Example, format_number
+from delft.errors import UserError
+
+
+def _operand(rng: random.Random, cfg, decimals: int, second: bool = False) -> Decimal:
+    low_digits, high_digits = (cfg.min_digits, cfg.max_digits)
+    if second and cfg.second_digits is not None:
+        low_digits, high_digits = cfg.second_digits
+    digits = rng.randint(low_digits, high_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    value = Decimal(rng.randint(low, 10**digits - 1))
+    if decimals:
+        value += Decimal(rng.randint(1, 10**decimals - 1)) / Decimal(10**decimals)
+    if rng.random() < cfg.negative_fraction:
+        value = -value
+    return value
+
+
+def synthetic_examples(cfg) -> list[Example]:
+    """Seeded arithmetic problems with exact answers (division is generated from its quotient; "copy" asks to
+    repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits."""
+    from delft.numbers.digits import exact_context
+
+    rng = random.Random(cfg.seed)
+    out = []
+    with exact_context():
+        for i in range(cfg.n):
+            question, answer = _synthetic_problem(rng, cfg)
+            out.append(Example(question, answer, answer, i))
+    return out
+
+
+def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
+    """(question, answer) of one problem, drawn from ``rng``."""
+    op = rng.choice(cfg.ops)
+    decimals = rng.choice([1, 2]) if rng.random() < cfg.decimal_fraction else 0
+    if op == "copy":
+        a = _operand(rng, cfg, decimals)
+        return f"Repeat {format_number(a)}", format_number(a)
+    a, b = _operand(rng, cfg, decimals), _operand(rng, cfg, decimals if op in "+-" else 0, second=True)
+    if op == "/":
+        b = b if b != 0 else Decimal(rng.randint(1, 9))
+        q = _operand(rng, cfg, decimals)
+        a = b * q
+    result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
+    return f"What is {format_number(a)} {op} {format_number(b)}?", format_number(result)
+
+
+RG_INSTALL = 'pip install "delft-digits[reasoning]" (reasoning-gym, whose generators need no download)'
+
+
+def reasoning_gym_dataset(cfg, where: str = "data"):
+    """reasoning-gym's generated dataset for ``cfg`` (a ReasoningGymConfig); a missing package, an unknown task or
+    option is a UserError naming it."""
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise UserError("data.source reasoning_gym needs the reasoning-gym package, which is not installed",
+                        f"{where}.source", f"Install it: {RG_INSTALL}.") from None
+    if cfg.task not in DATASETS:
+        close = difflib.get_close_matches(cfg.task, list(DATASETS), n=3)
+        hint = f"Did you mean {', '.join(close)}? " if close else ""
+        raise UserError(f"reasoning-gym has no task {cfg.task!r}", f"{where}.reasoning_gym.task",
+                        f"{hint}Its {len(DATASETS)} tasks: python -c 'import reasoning_gym.factory as f; "
+                        "print(sorted(f.DATASETS))'.")
+    fields = {f.name for f in dataclasses.fields(DATASETS[cfg.task][1])} - {"seed", "size"}
+    unknown = sorted(set(cfg.options) - fields)
+    if unknown:
+        raise UserError(f"reasoning-gym task {cfg.task} has no option(s) {', '.join(unknown)}",
+                        f"{where}.reasoning_gym.options", f"Its options: {', '.join(sorted(fields))}.")
+    try:
+        return reasoning_gym.create_dataset(cfg.task, size=cfg.n, seed=cfg.seed, **cfg.options)
+    except (AssertionError, ValueError, TypeError) as e:  # its configs validate with assert
+        raise UserError(f"reasoning-gym refused the options of {cfg.task}: {e or type(e).__name__}",
+                        f"{where}.reasoning_gym.options", "Check the values against the task's config.") from None
+
+
+def reasoning_gym_examples(cfg, where: str = "data") -> list[Example]:
+    """The generated problems as examples: the question as prompt, the answer (or the worked solution, with
+    ``completion: cot`` where the task has one) as completion, the entry kept for the task's own scorer."""
+    out = []
+    for i, entry in enumerate(reasoning_gym_dataset(cfg, where)):
+        answer = str(entry["answer"])
+        cot = (entry.get("metadata") or {}).get("answer_cot")
+        if cfg.completion == "cot" and not cot:
+            raise UserError(f"reasoning-gym task {cfg.task} has no worked solutions (metadata answer_cot)",
+                            f"{where}.reasoning_gym.completion", "Use completion: answer (gsm_symbolic has them).")
+        out.append(Example(str(entry["question"]), str(cot) if cfg.completion == "cot" else answer, answer, i, entry))
+    return out

@@ -1,0 +1,84 @@
+"""From a recipe's data section to training and validation sets: load the examples (file, hub or generator),
+split off validation, tokenize, and count what was kept."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+from delft.data.batches import tokenize_example
+from delft.data.generated import reasoning_gym_examples, synthetic_examples
+from delft.data.sources import Example, load_rows, row_to_example
+from delft.errors import UserError
+from delft.numbers.tokens import IGNORE
+
+
+def load_examples(cfg, where: str = "data") -> list[Example]:
+    if cfg.format == "synthetic":
+        examples = synthetic_examples(cfg.synthetic)[: cfg.limit]
+    elif cfg.format == "reasoning_gym":
+        examples = reasoning_gym_examples(cfg.reasoning_gym, where)[: cfg.limit]
+    else:
+        rows, label = load_rows(cfg, where)
+        examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]
+    if not examples:
+        raise UserError("the data source gave no examples", f"{where}.source", "Check the file and data.limit.")
+    return examples
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    train: int = 0
+    val: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+    digit_labels: int = 0
+    truncated: int = 0
+    fully_masked: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def build_datasets(cfg, tokenizer, seed: int, digit_ids: Optional[set] = None, where: str = "data"):
+    """Tokenize every example, drop (and count) ones with no trainable label, split off validation."""
+    examples = load_examples(cfg, where)
+    stats = DataStats(examples=len(examples))
+    items = []
+    for ex in examples:
+        tok = tokenize_example(ex, tokenizer, cfg)
+        stats.truncated += tok.truncated
+        n_labels = sum(1 for t in tok.labels if t != IGNORE)
+        if n_labels == 0:
+            stats.fully_masked += 1
+            continue
+        stats.tokens += len(tok.input_ids)
+        stats.label_tokens += n_labels
+        if digit_ids:
+            stats.digit_labels += sum(1 for t in tok.labels if t in digit_ids)
+        items.append(tok)
+    if not items:
+        raise UserError(
+            f"every one of the {len(examples)} examples has all its labels masked (nothing to learn), e.g. prompts "
+            f"longer than data.max_length={cfg.max_length} or empty completions", f"{where}.source",
+            "Raise data.max_length, check the completion field, or set data.train_on_prompt: true.")
+    rng = random.Random(seed)
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    n_val = validation_count(cfg.val_size, len(items), where)
+    val = [items[i] for i in order[:n_val]]
+    train = [items[i] for i in order[n_val:]]
+    stats.train, stats.val = len(train), len(val)
+    return train, val, stats
+
+
+def validation_count(val_size: float, n: int, where: str) -> int:
+    """Examples held out: a fraction (<1) of ``n`` or a count; a count that takes more than half is refused."""
+    if val_size < 1:
+        return min(int(round(val_size * n)), n - 1)
+    count = int(val_size)
+    if count > n // 2:
+        raise UserError(f"val_size {count} would take {min(count, n - 1)} of the {n} usable examples for "
+                        f"validation, leaving {max(1, n - count)} to train on", f"{where}.val_size",
+                        f"Use a fraction (e.g. val_size: 0.1) or a count of at most {n // 2}.")
+    return count
