@@ -42,7 +42,7 @@ def allocation_tracker():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    class Tracker(TorchDispatchMode):
+    class EarlyStopping(TorchDispatchMode):
         def __init__(self, skip):
             super().__init__()
             self.live = self.peak = 0
@@ -66,7 +66,7 @@ def allocation_tracker():
                 self.peak = max(self.peak, self.live)
             return out
 
-    return Tracker
+    return EarlyStopping
 
 
 def build(shape: str, liger: bool):

@@ -16,7 +16,7 @@ from helpers import lora_run, recipe_file, run_cli, write_yaml
 import delft.training.trainer as train_mod
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info
-from delft.training.best import Tracker
+from delft.training.early_stopping import EarlyStopping
 from delft.training.precheck import busy_machine
 from delft.training.trainer import run_training
 
@@ -47,7 +47,7 @@ ISSUE = [(5, 3.64), (10, 3.08), (15, 2.68)]  # the issue's run: val_loss at step
 
 
 def test_the_best_is_the_lowest_measured_whatever_min_delta_says():
-    t = Tracker("val_loss", min_delta=0.5, patience=3)
+    t = EarlyStopping("val_loss", min_delta=0.5, patience=3)
     for step, value in ISSUE:
         t.update(value, step)
     assert (t.best_step, t.best) == (15, 2.68)  # was step 10: 2.68 is not 0.5 below 3.08
@@ -56,7 +56,7 @@ def test_the_best_is_the_lowest_measured_whatever_min_delta_says():
         t.update(value, step)
     assert t.should_stop and (t.best_step, t.best) == (25, 2.59)  # stops on patience, keeps the lowest
     assert "did not improve on step 10's 3.08 by more than 0.5" in t.summary(25)["stopped_early"]["why"]
-    acc = Tracker("heldout_accuracy", min_delta=0.1, patience=2)
+    acc = EarlyStopping("heldout_accuracy", min_delta=0.1, patience=2)
     for step, value in [(1, 0.50), (2, 0.55), (3, 0.52)]:
         acc.update(value, step)
     assert (acc.best_step, acc.best, acc.should_stop) == (2, 0.55, True)  # higher is better, the same rule

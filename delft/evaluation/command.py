@@ -25,7 +25,7 @@ from delft.evaluation.problems import (
 )
 from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
 from delft.evaluation.results import ModelResult
-from delft.evaluation.scoring import evaluate_models
+from delft.evaluation.model_scores import evaluate_models
 from delft.outputs import check_output_files, write_result
 from delft.rundir import check_trained_dir
 

@@ -1,5 +1,5 @@
 """What one model's answers become: a ModelResult (prompts, texts, scored answers, samples), built from answer texts
-the same way whichever backend wrote them (transformers in delft.evaluation.scoring, llama.cpp in
+the same way whichever backend wrote them (transformers in delft.evaluation.model_scores, llama.cpp in
 delft.evaluation.gguf_backend), and the prompts both render.
 """
 

@@ -85,7 +85,7 @@ class Column:
     recipe_name: Optional[str]
     seed: Optional[int]
     adapter: Optional[str]
-    result: Any = None  # delft.evaluation.scoring.ModelResult
+    result: Any = None  # delft.evaluation.model_scores.ModelResult
     vs_base: Optional[dict] = None
     vs_reference: Optional[dict] = None
 
@@ -419,7 +419,7 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
     """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows).
     ``loaded`` is the set's (problems, skipped) when the caller loaded them already (study, before training)."""
     from delft.evaluation.problems import describe_source, load_problems
-    from delft.evaluation.scoring import evaluate_models
+    from delft.evaluation.model_scores import evaluate_models
 
     problems, skipped = loaded if loaded is not None else load_problems(data_cfg, console)
     heading = f"{len(problems)} problems from {describe_source(data_cfg)}"

@@ -283,7 +283,7 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
                  console: Console, loaded: tuple) -> tuple[dict, list]:
     """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
     from delft.evaluation.problems import BOOTSTRAP_SEED, settings_block
-    from delft.evaluation.scoring import score_gold
+    from delft.evaluation.model_scores import score_gold
     from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
     from delft.experiments.compare import reference_name
 

@@ -160,7 +160,7 @@ def _llama_tokens(llm, text: str, ids: list[int], chat: bool) -> bool:
     return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True) == list(ids)
 
 
-def compare(logits: list, reference: list) -> tuple[float, float, int]:
+def logit_gap(logits: list, reference: list) -> tuple[float, float, int]:
     """(normalised squared error over all positions, share of positions whose argmax agrees, positions)."""
     import numpy as np
 
@@ -187,7 +187,7 @@ def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, cons
         for f in chosen:
             path, lora = (base_file, out / f.file) if kind == "lora" else (out / f.file, None)
             logits, greedy, f.tokens_match = llama_outputs(path, inputs, lora)
-            f.nse, f.argmax_agreement, f.positions = compare(logits, ref_logits)
+            f.nse, f.argmax_agreement, f.positions = logit_gap(logits, ref_logits)
             f.tolerance = TOLERANCE[f.type]
             f.passed = f.nse <= f.tolerance and f.tokens_match
             f.greedy, f.greedy_reference = tokenizer.decode(greedy), tokenizer.decode(ref_greedy)

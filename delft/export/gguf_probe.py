@@ -45,7 +45,7 @@ def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None
     """Fill in each merged or LoRA file's ``probe`` (answers on the probe set) and ``number_tokens`` figures."""
     from delft.evaluation.gguf_backend import evaluate_gguf
     from delft.evaluation.problems import load_problems
-    from delft.evaluation.scoring import evaluate_model
+    from delft.evaluation.model_scores import evaluate_model
     from delft.models.loading import load_tokenizer
 
     chosen = [f for f in files if f.kind in ("merged", "lora")]

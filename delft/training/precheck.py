@@ -18,7 +18,7 @@ from delft.errors import UserError
 from delft.models.loading import resolve_device
 from delft.recipe.schema import GENERATED
 from delft.training.setup import CUDA_OPTIMIZERS
-from delft.training.tracking import check_backends
+from delft.training.loggers import check_backends
 
 
 def check_before_loading(recipe) -> None:

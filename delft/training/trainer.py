@@ -26,7 +26,7 @@ from delft.outputs import append_line, follow_umask, no_space_is_a_user_error, s
 from delft.recipe.schema import Recipe
 from delft.recipe.files import dump_recipe
 from delft.training import distributed as dist
-from delft.training.best import BEST_DIR, BEST_INFO, Tracker
+from delft.training.early_stopping import BEST_DIR, BEST_INFO, EarlyStopping
 from delft.training.checkpoints import (
     AGAIN,
     adapter_bytes,
@@ -80,11 +80,11 @@ class Trainer:
 
         mutating = t.finetuning == "lora" and not s.recipe.model.adapter and s.recipe.lora.init in MUTATING_INITS
         self.initial_adapter = run_dir / INITIAL_ADAPTER if mutating else None
-        self.tracker = Tracker.from_recipe(s.recipe)  # early stopping / keep_best; None when neither is set
+        self.tracker = EarlyStopping.from_recipe(s.recipe)  # early stopping / keep_best; None when neither is set
         self.stopped_at: Optional[int] = None
-        self.reporters = None  # delft.training.tracking.Reporters once the run directory is open (train.report_to)
+        self.reporters = None  # delft.training.loggers.Reporters once the run directory is open (train.report_to)
         if t.report_to:
-            from delft.training.tracking import check_backends
+            from delft.training.loggers import check_backends
 
             check_backends(t.report_to)
         if t.accuracy_steps:
@@ -118,7 +118,7 @@ class Trainer:
             self.loss.ran.update(earlier.split("+") if earlier else ())
         write_atomic(self.run_dir / rundir.RECIPE, dump_recipe(self.recipe))
         if self.recipe.train.report_to:
-            from delft.training.tracking import Reporters
+            from delft.training.loggers import Reporters
 
             self.reporters = Reporters(self.recipe.train.report_to, self.run_dir, self.recipe.to_dict(),
                                        self.run_dir.name)

@@ -29,7 +29,7 @@ from delft.export.gguf import (
     parse_types,
     prepare_gguf,
 )
-from delft.export.gguf_check import TOLERANCE, compare
+from delft.export.gguf_check import TOLERANCE, logit_gap
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
@@ -51,7 +51,7 @@ def test_parse_types_normalises_and_refuses_unknown():
 def test_compare_is_the_normalised_squared_error():
     ref = [np.array([[3.0, 4.0], [0.0, 1.0]]), np.array([[1.0, 0.0, 9.0]])]  # llama.cpp may pad the vocabulary
     got = [np.array([[3.0, 4.5], [0.5, 1.0]]), np.array([[1.0, 2.0]])]
-    nse, agree, n = compare(got, ref)
+    nse, agree, n = logit_gap(got, ref)
     assert n == 3 and nse == pytest.approx((0.25 + 0.25 + 4.0) / (25 + 1 + 1))
     assert agree == pytest.approx(2 / 3)  # the last row's argmax moved from 0 to 1
 

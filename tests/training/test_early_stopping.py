@@ -11,7 +11,7 @@ import delft.training.trainer as train_mod
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info, snapshot_path
-from delft.training.best import Tracker
+from delft.training.early_stopping import EarlyStopping
 from delft.training.trainer import run_training
 
 # validation losses at steps 1, 2, 3, ...: the best is step 5 (0.49, the lowest); it is not lower than step 3's 0.5
@@ -20,13 +20,13 @@ SCRIPT = [1.0, 0.8, 0.5, 0.6, 0.49, 0.7, 0.4, 0.3]
 
 
 def test_the_tracker_stops_after_patience_measurements_without_an_improvement():
-    t = Tracker("val_loss", min_delta=0.05, patience=3)
+    t = EarlyStopping("val_loss", min_delta=0.05, patience=3)
     for step, v in enumerate(SCRIPT, 1):
         t.update(v, step)
         if t.should_stop:
             break
     assert (step, t.best_step, t.best) == (6, 5, 0.49)  # measurement 6: the third without an improvement by 0.05
-    acc = Tracker("heldout_accuracy", patience=2)
+    acc = EarlyStopping("heldout_accuracy", patience=2)
     for step, v in enumerate([0.1, 0.3, 0.3, 0.2], 1):
         acc.update(v, step)
     assert acc.best_step == 2 and acc.should_stop  # higher is better; equal is no improvement

@@ -17,7 +17,7 @@ BEST_INFO = "delft_best.json"  # in BEST_DIR: its step, metric and value
 
 
 @dataclass
-class Tracker:
+class EarlyStopping:
     metric: str
     min_delta: float = 0.0
     patience: Optional[int] = None  # None: keep_best without early stopping
@@ -29,7 +29,7 @@ class Tracker:
     ref_step: Optional[int] = None
 
     @classmethod
-    def from_recipe(cls, recipe) -> Optional["Tracker"]:
+    def from_recipe(cls, recipe) -> Optional["EarlyStopping"]:
         t = recipe.train
         if t.early_stopping is None and not t.keep_best:
             return None
