@@ -108,6 +108,33 @@ def test_no_module_imports_another_modules_private_name():
     assert not private, "\n".join(private)
 
 
+def defined_names(tree: ast.Module) -> set[str]:
+    """Names a module's top level defines itself (functions, classes, assignments), not the ones it imports."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
+
+
+def test_each_name_is_imported_from_the_module_that_defines_it():
+    """A module that only passes a name on hides where it lives; package faces (``__init__``) are the exception."""
+    mods = modules()
+    faces = {m for m in mods if (PACKAGE / m.replace("delft.", "", 1).replace(".", "/") / "__init__.py").exists()}
+    faces.add("delft")
+    through = []
+    for m, tree in mods.items():
+        for target, names, line in imports(tree, set(mods)):
+            if target in mods and target not in faces and target != m:
+                passed = [n for n in names if n not in defined_names(mods[target])]
+                if passed:
+                    through.append(f"{m}:{line} takes {', '.join(passed)} from {target}, which does not define it")
+    assert not through, "\n".join(through)
+
+
 def test_the_schema_and_the_cli_load_no_torch():
     code = ("import sys, delft.cli, delft.recipe.schema, delft.recipe.files, delft.recipe.keys, delft.planning.command, delft.losses.registry, delft.numbers.digits; "
             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")
