@@ -646,7 +646,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     already in ``out`` are refused before training unless ``force``, and then replaced as a set.
     Returns the JSON report (also written to ``out/compare.json``).
     """
-    from delft.evaluation.command import check_runs, resolve_settings
+    from delft.evaluation.runs import check_runs, resolve_settings
 
     console = console or Console()
     seeds = check_seeds(seeds, "--seed")

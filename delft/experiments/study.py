@@ -468,7 +468,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
               console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
     summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
-    from delft.evaluation.command import check_runs
+    from delft.evaluation.runs import check_runs
     from delft.experiments.compare import train_all
     from delft.experiments.seed_level import analysis_renderables
     from delft.models.scratch import base_name
