@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from delft.data.sources import Example, format_number
 from delft.errors import UserError
+from delft.numbers.digits import exact_context
 
 
 def _operand(rng: random.Random, cfg, decimals: int, second: bool = False) -> Decimal:
@@ -29,8 +30,6 @@ def _operand(rng: random.Random, cfg, decimals: int, second: bool = False) -> De
 def synthetic_examples(cfg) -> list[Example]:
     """Seeded arithmetic problems with exact answers (division is generated from its quotient; "copy" asks to
     repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits."""
-    from delft.numbers.digits import exact_context
-
     rng = random.Random(cfg.seed)
     out = []
     with exact_context():

@@ -26,6 +26,9 @@ from typing import Optional, Sequence
 
 from rich.console import Console
 
+from delft.data.batches import prompt_ids
+from delft.data.prompts import render_prompt, use_chat_template
+from delft.data.sources import Example
 from delft.errors import UserError
 from delft.inspection.records import (
     PURPOSE,
@@ -39,9 +42,12 @@ from delft.inspection.records import (
 )
 from delft.inspection.render import render, to_json, write_plot
 from delft.models.context import check_context
+from delft.models.loading import using_model
+from delft.models.scratch import base_name
 from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
-from delft.rundir import check_trained_dir
+from delft.recipe.files import load_recipe
+from delft.rundir import base_model, check_trained_dir
 
 
 @dataclass
@@ -52,8 +58,6 @@ class _Spec:
 
 
 def _model_specs(base: Optional[str], adapters: Sequence[str]) -> list[_Spec]:
-    from delft.rundir import base_model
-
     if not adapters:
         if base is None:
             raise UserError("no model given", "delft inspect",
@@ -108,11 +112,6 @@ def _first_answer(lm, tok, vocab, spec: _Spec, prompt: str, prompt_text: str, ta
 def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], max_new_tokens: int, n_models: int,
                    result: Optional[InspectResult], first_vocab: Optional[dict]):
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
-    from delft.data.sources import Example
-    from delft.data.batches import prompt_ids
-    from delft.data.prompts import render_prompt, use_chat_template
-    from delft.models.loading import using_model
-
     with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
         tok = loaded.tokenizer
         vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
@@ -154,14 +153,10 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
                 json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
                 console: Optional[Console] = None) -> InspectResult:
     """The ``delft inspect`` command. Answers without digits print a note and return normally (exit 0)."""
-    from delft.recipe.files import load_recipe
-
     console = console or Console()
     cfg = load_recipe(recipe_path, list(overrides))
     target_text = _check_arguments(prompt, max_new_tokens, target)
     if model is None and recipe_path is not None:
-        from delft.models.scratch import base_name
-
         model = base_name(cfg)
     specs = _model_specs(model, list(adapters))
     check_output_files({"--json": json_out, "--plot": plot})

@@ -10,8 +10,10 @@ from typing import Optional, Sequence
 
 from delft.data.batches import prompt_ids
 from delft.errors import UserError
+from delft.evaluation.generation import greedy
+from delft.models.loading import decoder_and_head, plain_model
 from delft.numbers.digits import DIGITS, number_runs, place_name, run_places, thousands_separators
-from delft.numbers.tokens import NumberVocab
+from delft.numbers.tokens import NumberVocab, char_logits
 
 PURPOSE = "per-digit inspection"
 
@@ -119,8 +121,6 @@ def _answer_logits(model, input_ids, n_keep: int):
 
     import torch
 
-    from delft.models.loading import plain_model
-
     base = plain_model(model)
     params = pyinspect.signature(base.forward).parameters
     with torch.inference_mode():
@@ -128,8 +128,6 @@ def _answer_logits(model, input_ids, n_keep: int):
             if name in params:
                 out = model(input_ids=input_ids, use_cache=False, **{name: n_keep})
                 return out.logits[0, -n_keep:].float()
-        from delft.models.loading import decoder_and_head
-
         decoder, head = decoder_and_head(model)
         hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state[0, -n_keep:]
         return head(hidden).float()
@@ -193,8 +191,6 @@ def _char_stats(logp, answer_ids: Sequence[int], numbers: NumberVocab) -> dict[s
     the first character's (for single-digit tokenizers: the ten digit tokens)."""
     import torch
 
-    from delft.numbers.tokens import char_logits
-
     cols = torch.tensor([numbers.column_of(t) or 0 for t in answer_ids], device=logp.device)
     ids = torch.tensor(numbers.ids, device=logp.device)
     d_logp = char_logits(logp[:, ids], cols, numbers.char_table(logp.device)).logits  # [rows, 10]
@@ -233,8 +229,6 @@ def numbers_of(records: Sequence[PositionRecord]) -> list[Number]:
 
 def greedy_answer(model, tokenizer, prompt_text: str, max_new_tokens: int, chat: bool):
     """The greedy continuation (delft.evaluation.generation, as delft eval answers); its ``answer_ids`` are teacher-forced."""
-    from delft.evaluation.generation import greedy
-
     return greedy(model, tokenizer, [prompt_text], max_new_tokens, chat, batch_size=1)[0]
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, Field
 
+from delft.integrations.hf import DigitLossMixin
 from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
 from delft.recipe.schema import LossConfig
@@ -53,8 +54,6 @@ def loss_options(block) -> dict:
 @functools.cache
 def digit_axolotl_trainer() -> type:
     """``DigitLossMixin`` + axolotl's ``AxolotlTrainer``, built on first use (that import needs axolotl's stack)."""
-    from delft.integrations.hf import DigitLossMixin
-
     try:
         from axolotl.core.trainers.base import AxolotlTrainer
     except ImportError as exc:

@@ -20,6 +20,7 @@ import os
 from typing import Optional
 
 from delft.losses.misuse import NoDigitWatch, callers_words, check_number_rows, check_sft_options, output_layer
+from delft.losses.modules import DigitLoss
 from delft.models.loading import last_hidden_states  # noqa: F401  (re-exported: integrations.trl uses it)
 from delft.training.digit_options import check_resume, check_resume_mismatch, digit_loss_options, save_settings
 
@@ -79,8 +80,6 @@ class DigitLossMixin:
 
     def configure_digit_loss(self, options: dict, tokenizer=None) -> None:
         """(Re)build the digit loss from ``options`` (also how the axolotl plugin hands its YAML block over)."""
-        from delft.losses.modules import DigitLoss
-
         tokenizer = tokenizer or getattr(self, "processing_class", None)
         opts = digit_loss_options(options)
         self._digit_options = dict(opts)  # what digit_loss.json records with each checkpoint

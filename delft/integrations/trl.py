@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from delft.integrations.hf import HIDDEN_KEYS, DigitLossMixin
-from delft.models.loading import last_hidden_states
+from delft.losses.loss import Sums
 from delft.losses.registry import LOSS_TYPES
+from delft.models.loading import last_hidden_states
 from delft.recipe.schema import LossConfig
-from delft.training.digit_options import (RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch,
-                                          digit_loss_options)
+from delft.training.digit_options import RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch, digit_loss_options
 
 _KEYS = ("type", "weight", "normalisation", "place_weights", "place_weight_cap", "tau")  # DigitSFTConfig's digit_loss_*
 _DEFAULTS = {**{k: LossConfig.model_fields[k].default for k in _KEYS}, "type": "del_prob"}
@@ -108,8 +108,6 @@ class DigitSFTTrainer(DigitLossMixin, _sft_trainer()):
         ce_sum = -log_probs.sum()
         counts = loss.count(labels)
         if not loss.has_term:
-            from delft.losses.loss import Sums
-
             sums = Sums(ce_sum, ce_sum.new_zeros(()), counts)
         else:
             term_sum, z, y = loss.term_sums(hidden, head, labels)

@@ -22,6 +22,7 @@ from delft.rundir import (
     base_model,
     check_adapter_matches,
     check_model_files,
+    check_trained_dir,
     has_adapter,
     is_merged_model,
     tokenizer_source,
@@ -269,8 +270,6 @@ def plain_model(model):
 def continue_lora(model, adapter: str, gradient_checkpointing: bool, base: str):
     """Wrap in the trainable LoRA adapter saved in ``adapter`` (model.adapter: continue a run's training)."""
     from peft import PeftModel
-
-    from delft.rundir import check_adapter_matches, check_trained_dir
 
     path = Path(adapter).expanduser()
     if check_trained_dir(path, "model.adapter") != "adapter":

@@ -12,6 +12,7 @@ import hashlib
 import json
 import string
 
+from delft.models.loading import load_tokenizer
 from delft.models.sources import ModelRef, cache_dir, resolve_model
 from delft.outputs import follow_umask, staged
 from delft.recipe.schema import CHAR_TOKENIZER, Recipe
@@ -44,8 +45,6 @@ def scratch_tokenizer(source: str):
     alias: the model there is not used)."""
     if source == CHAR_TOKENIZER:
         return char_tokenizer()
-    from delft.models.loading import load_tokenizer
-
     return load_tokenizer(resolve_model(source).path)
 
 

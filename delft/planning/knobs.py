@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from delft.errors import UserError
 from delft.planning.memory import plan_memory
+from delft.recipe.schema import validate_recipe
 
 
 def _with(recipe, **changes):
     """A copy of the recipe with dotted keys changed (validated)."""
-    from delft.recipe.schema import validate_recipe
-
     data = recipe.to_dict()
     for key, value in changes.items():
         section, field = key.split(".")

@@ -25,7 +25,9 @@ import math
 import re
 
 from delft.errors import UserError
+from delft.losses.registry import fused_applies
 from delft.planning.shapes import QWEN2, linear_shapes, lora_targets, model_shape, parameter_counts
+from delft.recipe.schema import validate_recipe
 
 GiB = 2**30
 
@@ -201,8 +203,6 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
 
 def calibration_table() -> list[dict]:
     """plan_memory against every CALIBRATION row (the recipe docs/gpu.md's probe ran), in GiB."""
-    from delft.recipe.schema import validate_recipe
-
     rows = []
     for c in CALIBRATION:
         cfg = QWEN2[c["model"]]
@@ -227,8 +227,6 @@ def calibration_table() -> list[dict]:
 def liger_calibration_table(loss_type: str = "ce") -> list[dict]:
     """plan_memory with the fused path against docs/gpu.md's Liger CE-only rows, in GiB (``loss_type`` 'del': delft's
     DEL step on the same shapes, so estimate / measured is the predicted ratio to the Liger peer)."""
-    from delft.recipe.schema import validate_recipe
-
     rows = []
     for c in LIGER_CALIBRATION:
         recipe = validate_recipe({
@@ -265,8 +263,6 @@ def planned_fused(recipe) -> tuple[bool, bool, str]:
     (delft.losses.registry.fused_applies). Installed is judged without importing it (no torch here). A run with
     train.fused_loss 'on' but no liger-kernel refuses to start: it is planned as the fused run it insists on."""
     import importlib.util
-
-    from delft.losses.registry import fused_applies
 
     liger = importlib.util.find_spec("liger_kernel") is not None
     fused, why = fused_applies(recipe.train.fused_loss, cuda=True, liger=liger)

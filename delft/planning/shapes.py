@@ -7,6 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from delft.errors import UserError
+from delft.models.scratch import CHAR_VOCAB_SIZE
+from delft.models.sources import SMOLLM2_ALIAS, cache_dir, gguf_cache_path, resolve_model
+from delft.numbers.tokens import NumberVocab
+from delft.rundir import read_json
 
 # SmolLM2-135M-Instruct's shape, so the alias plans without fetching anything.
 SMOLLM2_CONFIG = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -92,8 +96,6 @@ def parameter_counts(s: dict) -> tuple[int, int]:
 
 def read_model_config(recipe) -> tuple[dict, str]:
     """(config.json as a dict, where it came from) without loading or downloading weights."""
-    from delft.models.sources import SMOLLM2_ALIAS, cache_dir
-
     name = recipe.model.name
     if recipe.model.init == "scratch":
         return scratch_config(recipe)
@@ -103,8 +105,6 @@ def read_model_config(recipe) -> tuple[dict, str]:
             return _config(path), str(path)
         return dict(SMOLLM2_CONFIG), "built-in shape of SmolLM2-135M-Instruct"
     if name.endswith(".gguf"):
-        from delft.models.sources import gguf_cache_path
-
         p = Path(name).expanduser()
         if p.is_file():  # the directory delft.models.sources.gguf_to_cache converts it into
             conv = gguf_cache_path(p) / "config.json"
@@ -113,8 +113,6 @@ def read_model_config(recipe) -> tuple[dict, str]:
         raise UserError(f"--plan needs a config.json; {name} has not been converted yet", "model.name",
                         "Run `delft train` once on a CPU (it converts the GGUF file) or point model.name at a "
                         "model directory.")
-    from delft.models.sources import resolve_model
-
     ref = resolve_model(name, recipe.model.revision)
     if ref.is_local:
         return _config(Path(ref.path) / "config.json"), str(Path(ref.path) / "config.json")
@@ -132,12 +130,8 @@ def scratch_config(recipe) -> tuple[dict, str]:
     """The config.json a scratch recipe's init will have (delft.models.scratch.llama_config), without torch."""
     a = recipe.model.architecture
     if recipe.model.tokenizer == "char":
-        from delft.models.scratch import CHAR_VOCAB_SIZE
-
         vocab, where = CHAR_VOCAB_SIZE, "delft's character-level tokenizer"
     else:
-        from delft.models.sources import resolve_model
-
         vocab = _config(Path(resolve_model(recipe.model.tokenizer).path) / "config.json")["vocab_size"]
         where = f"the vocabulary of {recipe.model.tokenizer}"
     return ({"model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.layers,
@@ -147,8 +141,6 @@ def scratch_config(recipe) -> tuple[dict, str]:
 
 
 def _config(path: Path) -> dict:
-    from delft.rundir import read_json
-
     return read_json(path, "model.name", "Restore or download the model again.")
 
 
@@ -158,8 +150,6 @@ def with_number_tokens(config: dict, source: str) -> tuple[dict, str]:
     The count comes from the tokenizer.json beside config.json (delft.numbers.tokens, without torch); without one,
     from a NUMBER_TOKENS key the user wrote into the config (planning offline from a config.json alone); else 10
     (single digits), also where the tokenizer is refused (then `delft train` refuses it too)."""
-    from delft.numbers.tokens import NumberVocab
-
     path = Path(source).with_name("tokenizer.json") if Path(source).is_file() else None
     if path is None or not path.is_file():
         if isinstance(config.get(NUMBER_TOKENS), int) and config[NUMBER_TOKENS] > 0:  # written by the user
