@@ -11,7 +11,16 @@ from rich.console import Console
 from rich.table import Table
 
 from delft import __version__
-from delft.evaluation.metrics import place_order
+from delft.evaluation.metrics import (
+    FLEXIBLE_EXTRACT,
+    METRICS,
+    SAMPLING,
+    STRICT_MATCH,
+    TASK_SCORE,
+    Metric,
+    metric_value,
+    place_order,
+)
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
 from delft.evaluation.results import ModelResult
 from delft.numbers.answers import Scored, canonical
@@ -25,34 +34,41 @@ def _ci_cell(x: dict, key: str) -> str:
     return pct(x[key]) + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
 
 
+def _cell(m: Metric, block: dict) -> str:
+    """``m``'s cell from the part of one model's metrics that holds it; empty where the model has no such part."""
+    if not block:
+        return ""
+    if m.interval:
+        return _ci_cell(block, m.key)
+    return pct(block.get(m.key)) if m.rate else num(block.get(m.key), m.fmt)
+
+
+def _shown(m: Metric, metrics: Sequence[dict], k: Optional[int], harness: bool) -> bool:
+    """Whether delft eval's table has ``m``'s row (Metric.only)."""
+    if m.only == "sampled":
+        return bool(k)
+    if m.only == "harness":
+        return harness
+    if m.only == "set":
+        return any(metric_value(x, m) is not None for x in metrics)
+    return True
+
+
 def metric_rows(results: Sequence[ModelResult], harness: bool = False
                 ) -> list[tuple[str, list[Optional[float]], list[str], bool]]:
-    """(label, values, cells, higher_is_better) per table row; ``harness`` adds lm-evaluation-harness's GSM8K
-    scores, sampled results their pass@k rows."""
+    """(label, values, cells, higher_is_better) per table row: every row of METRICS the results have (``harness``
+    adds lm-evaluation-harness's GSM8K scores, sampled results their pass@k rows), then per-place accuracy."""
     rows = []
     m = [r.metrics for r in results]
-    s = [x.get("sampling") or {} for x in m]  # a seed mean of compare has none: its cells stay empty
+    s = [x.get(SAMPLING) or {} for x in m]  # a seed mean of compare has none: its cells stay empty
     k = next((x["k"] for x in s if x), None)
     voted = f"majority of {k} " if k else ""
-    rows.append((f"{voted}exact match (95 % CI)", [x["exact_match"] for x in m],
-                 [_ci_cell(x, "exact_match") for x in m], True))
-    if k:
-        for key, label in (("pass@1", "pass@1: mean over samples (95 % CI)"), ("pass@k", f"pass@{k} (95 % CI)")):
-            rows.append((label, [x.get(key) for x in s], [_ci_cell(x, key) if x else "" for x in s], True))
-    if harness:
-        for key, label in (("strict_match", "strict-match"), ("flexible_extract", "flexible-extract")):
-            rows.append((f"{voted}{label} (harness, 95 % CI)", [x[key] for x in m], [_ci_cell(x, key) for x in m],
-                         True))
-    if any(x.get("task_score") is not None for x in m):
-        rows.append(("task's own score (reasoning-gym)", [x.get("task_score") for x in m],
-                     [num(x.get("task_score"), ".3f") for x in m], True))
-    rows.append(("tolerance match (95 % CI)", [x["tolerance_match"] for x in m],
-                 [_ci_cell(x, "tolerance_match") for x in m], True))
-    rows.append(("no number", [x["no_number_rate"] for x in m], [pct(x["no_number_rate"]) for x in m], False))
-    rows.append(("MAE", [x["mae"] for x in m], [num(x["mae"]) for x in m], False))
-    rows.append(("log-MAE", [x["log_mae"] for x in m], [num(x["log_mae"]) for x in m], False))
-    rows.append(("digit accuracy (all places)", [x["digit_accuracy"] for x in m], [pct(x["digit_accuracy"]) for x in m],
-                 True))
+    for metric in METRICS:
+        if _shown(metric, m, k, harness):
+            blocks = [x.get(metric.block) or {} for x in m] if metric.block else m
+            rows.append(((voted if metric.voted else "") + metric.label.format(k=k),
+                         [metric_value(x, metric) for x in m], [_cell(metric, b) for b in blocks],
+                         metric.higher_is_better))
     places = place_order(p["place"] for x in m for p in x["per_place"].values())
     for place in places:
         name = place_name(place)
@@ -106,9 +122,9 @@ def prediction_record(p: Problem, prompt: str, generated: str, s: Scored) -> dic
         "exact": s.exact,
         "tolerance": s.tolerance,
         "places": {place_name(k): v for k, v in sorted(s.places.items(), key=lambda kv: -kv[0])},
-        "strict_match": s.strict,
-        "flexible_extract": s.flexible,
-        **({"task_score": s.task_score} if s.task_score is not None else {}),
+        STRICT_MATCH.key: s.strict,
+        FLEXIBLE_EXTRACT.key: s.flexible,
+        **({TASK_SCORE.key: s.task_score} if s.task_score is not None else {}),
     }
 
 

@@ -22,10 +22,15 @@ from delft.outputs import num, pct, staged
 CHUNK_POSITIONS = 256  # completion positions whose full-vocabulary logits exist at once
 
 
-DIGIT_METRICS = ("digit_accuracy", "full_accuracy", "digit_ce")  # per digit position, per place and overall
+# Whether the argmax among the ten digits is the gold digit: teacher-forced, so a measure of its own, spelled as
+# the answers' digit accuracy (delft.evaluation.metrics.DIGIT_ACCURACY) is in eval.json.
+ARGMAX_ACCURACY = "digit_accuracy"
 
 
-LABELS = {"digit_accuracy": "digit argmax accuracy", "full_accuracy": "full-vocab argmax accuracy",
+DIGIT_METRICS = (ARGMAX_ACCURACY, "full_accuracy", "digit_ce")  # per digit position, per place and overall
+
+
+LABELS = {ARGMAX_ACCURACY: "digit argmax accuracy", "full_accuracy": "full-vocab argmax accuracy",
           "digit_ce": "digit CE", "text_ce": "non-digit CE", "text_perplexity": "non-digit perplexity"}
 
 
@@ -134,7 +139,7 @@ def _full_vocab(h, head, gold) -> tuple[list[float], list[bool]]:
 def _value(positions: Sequence[Position], metric: str) -> Optional[float]:
     if not positions:
         return None
-    if metric == "digit_accuracy":
+    if metric == ARGMAX_ACCURACY:
         return sum(p.digit_ok for p in positions) / len(positions)
     if metric == "full_accuracy":
         return sum(p.full_ok for p in positions) / len(positions)
@@ -179,7 +184,7 @@ def _per_example(positions: Sequence[Position], n_examples: int, metric: str, sc
     paired_difference of two models' lists is the difference of pooled means, resampled by example."""
     sums = [0.0] * n_examples
     for p in positions:
-        sums[p.example] += {"digit_accuracy": float(bool(p.digit_ok)), "full_accuracy": float(p.full_ok),
+        sums[p.example] += {ARGMAX_ACCURACY: float(bool(p.digit_ok)), "full_accuracy": float(p.full_ok),
                             "digit_ce": p.digit_ce or 0.0, "text_ce": p.ce}[metric]
     return [s / scale for s in sums]
 
@@ -256,7 +261,7 @@ def teacher_rows(summaries: Sequence[dict]) -> list[tuple[str, list[Optional[flo
 def difference_line(name: str, diff: dict) -> str:
     """One line per run: its teacher-forced differences from the base, with 95 % intervals."""
     parts = []
-    for group, metric, label, factor in (("digits", "digit_accuracy", "digit accuracy", 100),
+    for group, metric, label, factor in (("digits", ARGMAX_ACCURACY, "digit accuracy", 100),
                                          ("digits", "digit_ce", "digit CE", 1), ("text", "text_ce", "non-digit CE", 1)):
         d = diff.get(group, {}).get(metric)
         if d is None or d["difference"] is None:
@@ -287,7 +292,7 @@ def write_teacher_plot(names: Sequence[str], summaries: Sequence[dict], path: Pa
         xs = [i - 0.4 + width * (k + 0.5) for i in range(len(places))]
         ce = s["text"]["ce"]
         label = f"{name} (non-digit CE {ce:.3f})" if ce is not None else name
-        acc = [100 * (s["per_place"].get(p, {}).get("digit_accuracy") or 0.0) for p in places]
+        acc = [100 * (s["per_place"].get(p, {}).get(ARGMAX_ACCURACY) or 0.0) for p in places]
         dce = [s["per_place"].get(p, {}).get("digit_ce") or 0.0 for p in places]
         axes[0].bar(xs, acc, width=width, label=label)
         axes[1].bar(xs, dce, width=width, label=label)

@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from delft.data.prompts import use_chat_template
+from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
 from delft.errors import UserError, VerificationError
 from delft import children
 from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files
@@ -575,8 +576,8 @@ def _probe_section(files: list[GgufFile]) -> list[str]:
     for f in probed:
         p, t = f.probe, f.number_tokens or {}
         split = "as in training" if t.get("match") else f"differently: {', '.join(map(repr, t.get('differ', [])))}"
-        lines.append(f"| {f.file} | {pct(p['exact_match'])} ({pct(p['reference_exact_match'])}) | "
-                     f"{pct(p['digit_accuracy'])} ({pct(p['reference_digit_accuracy'])}) | {pct(p['same_answers'])} | "
+        lines.append(f"| {f.file} | {pct(p[EXACT_MATCH.key])} ({pct(p['reference_exact_match'])}) | "
+                     f"{pct(p[DIGIT_ACCURACY.key])} ({pct(p['reference_digit_accuracy'])}) | {pct(p['same_answers'])} | "
                      f"{split} |")
     return lines
 
@@ -595,7 +596,7 @@ def gguf_table(files: list[GgufFile]) -> Table:
         table.add_row(f.file, f"{f.size_bytes / 1e6:.1f} MB",
                       f"{f.nse:.2g} ({f.tolerance:g})" if f.nse is not None else "-",
                       f"{f.argmax_agreement:.0%}" if f.argmax_agreement is not None else "-",
-                      f"{pct(f.probe['exact_match'], '%')} / {pct(f.probe['same_answers'], '%')}" if f.probe else "-",
+                      f"{pct(f.probe[EXACT_MATCH.key], '%')} / {pct(f.probe['same_answers'], '%')}" if f.probe else "-",
                       {True: "[green]passed[/]", False: "[bold red]FAILED[/]", None: "not run"}[f.passed])
     return table
 

@@ -16,6 +16,8 @@ from typing import Optional
 
 from rich.console import Console
 
+from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH, summarize
+
 PROBE_PROBLEMS = 40  # greedy answers per file: a few seconds for a small model in llama.cpp on a CPU
 # Numbers in the forms that tokenizers split differently: lengths 1-7, decimals, signs, separators, in a sentence.
 NUMBER_TEXTS = ["7", "42", "123", "1234", "12345", "1234567", "3.14", "-42", "0.001", "1,234,567", "2024",
@@ -61,8 +63,8 @@ def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None
         result = evaluate_gguf(f.file, path, problems, data, cfg, lora=lora)
         f.probe = probe_figures(result.scored, reference.scored)
         f.number_tokens = number_tokens(path, tokenizer, lora)
-        console.print(f"  probe {f.file}: exact match {f.probe['exact_match']:.0%} (merged model "
-                      f"{f.probe['reference_exact_match']:.0%}), digit accuracy {f.probe['digit_accuracy']:.0%} "
+        console.print(f"  probe {f.file}: exact match {f.probe[EXACT_MATCH.key]:.0%} (merged model "
+                      f"{f.probe['reference_exact_match']:.0%}), digit accuracy {f.probe[DIGIT_ACCURACY.key]:.0%} "
                       f"({f.probe['reference_digit_accuracy']:.0%}), same answer as the merged model on "
                       f"{f.probe['same_answers']:.0%} of {f.probe['n']}; numbers tokenised "
                       f"{'as in training' if f.number_tokens['match'] else 'DIFFERENTLY'}", highlight=False)
@@ -70,12 +72,11 @@ def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None
 
 def probe_figures(scored: list, reference: list) -> dict:
     """Exact match and digit accuracy of a file's answers and of the merged model's, and how often they agree."""
-    from delft.evaluation.metrics import summarize
-
     mine, theirs = summarize(scored, 0), summarize(reference, 0)
     same = sum(a.extraction.value == b.extraction.value for a, b in zip(scored, reference))
-    return {"n": len(scored), "exact_match": mine["exact_match"], "digit_accuracy": mine["digit_accuracy"],
-            "reference_exact_match": theirs["exact_match"], "reference_digit_accuracy": theirs["digit_accuracy"],
+    exact, digits = EXACT_MATCH.key, DIGIT_ACCURACY.key
+    return {"n": len(scored), exact: mine[exact], digits: mine[digits],
+            "reference_exact_match": theirs[exact], "reference_digit_accuracy": theirs[digits],
             "same_answers": same / len(scored) if scored else None}
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 from rich.table import Table
 
 from delft.errors import UserError
+from delft.evaluation.metrics import HEADLINE
 from delft.outputs import human_size
 from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
 
@@ -55,17 +56,16 @@ def eval_headline(run_dir: Path) -> list[tuple[str, str]]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return [("eval.json", "present but not readable")]
-    keys = ("n", "exact_match", "tolerance_match", "digit_accuracy", "mae", "no_number_rate")
+    rates = {m.key: m.rate for m in HEADLINE}  # the count of problems first, then the headline metrics
 
     def fmt(metrics: dict) -> str:
         parts = []
-        for k in keys:
+        for k in ("n", *rates):
             v = metrics.get(k)
             if isinstance(v, bool) or v is None:
                 continue
             if isinstance(v, (int, float)):
-                rate = k in ("exact_match", "tolerance_match", "digit_accuracy", "no_number_rate")
-                parts.append(f"{k} {v:.1%}" if rate else f"{k} {v:g}")
+                parts.append(f"{k} {v:.1%}" if rates.get(k) else f"{k} {v:g}")
         return ", ".join(parts)
 
     rows = []

@@ -14,6 +14,8 @@ from typing import Sequence
 
 from rich.console import Console
 
+from delft.evaluation.metrics import METRICS, summarize
+
 
 def heldout_data(recipe, n: int):
     """The eval set's DataConfig limited to its first ``n`` problems (as ``delft eval --limit n`` resolves it)."""
@@ -50,13 +52,13 @@ class HeldOut:
                    recipe.eval.batch_size)
 
     def measure(self, model) -> dict:
-        """Exact match, tolerance match and digit accuracy of greedy answers; ``model`` is left as it was.
+        """Exact match, tolerance match and digit accuracy of greedy answers (the metrics with a
+        Metric.heldout name, under it); ``model`` is left as it was.
 
         Generation needs eval mode (no LoRA dropout; HF turns the KV cache off while gradient checkpointing
         trains) and ``use_cache`` on, which training turns off.
         """
         from delft.evaluation.generation import greedy
-        from delft.evaluation.metrics import summarize
         from delft.numbers.answers import extract_answer, score
 
         was_training, use_cache = model.training, getattr(model.config, "use_cache", None)
@@ -71,5 +73,4 @@ class HeldOut:
                 model.train()
         scored = [score(extract_answer(g.text, self.stops), p.gold) for g, p in zip(generations, self.problems)]
         m = summarize(scored, resamples=0)
-        return {"accuracy": m["exact_match"], "tolerance_accuracy": m["tolerance_match"],
-                "digit_accuracy": m["digit_accuracy"], "accuracy_n": m["n"]}
+        return {**{x.heldout: m[x.key] for x in METRICS if x.heldout}, "accuracy_n": m["n"]}
