@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from delft.errors import UserError
+from delft.evaluation.metrics import EXACT_MATCH
 from delft.rundir import snapshot_path
 
 
@@ -64,13 +65,14 @@ def curve_of(points: dict[int, dict], final: dict, total_steps: int) -> dict:
             continue
         per_step = [base] + [f[(recipe, seed)] for f in flags]
         per_problem = [trapezoid(steps, [row[i] for row in per_step]) for i in range(len(base))]
-        arm = recipes.setdefault(recipe, {"exact_match": {}, "auc": {}, "auc_per_problem": {}})
-        arm["exact_match"][seed] = [sum(row) / len(row) for row in per_step]
+        arm = recipes.setdefault(recipe, {EXACT_MATCH.key: {}, "auc": {}, "auc_per_problem": {}})
+        arm[EXACT_MATCH.key][seed] = [sum(row) / len(row) for row in per_step]
         arm["auc"][seed] = sum(per_problem) / len(per_problem)
         arm["auc_per_problem"][seed] = per_problem
     for arm in recipes.values():
         seeds = list(arm["auc"])
-        arm["mean_exact_match"] = [sum(arm["exact_match"][s][i] for s in seeds) / len(seeds) for i in range(len(steps))]
+        arm["mean_exact_match"] = [sum(arm[EXACT_MATCH.key][s][i] for s in seeds) / len(seeds)
+                                   for i in range(len(steps))]
         arm["mean_auc"] = sum(arm["auc"].values()) / len(seeds)
     return {"steps": steps, "reference": final["settings"]["reference"], "base_exact_match": sum(base) / len(base),
             "recipes": recipes}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from delft.evaluation.metrics import hierarchical_difference, holm, seed_level_difference
+from delft.evaluation.metrics import EXACT_MATCH, hierarchical_difference, holm, seed_level_difference
 
 RESAMPLES = 2000
 
@@ -37,7 +37,7 @@ def seed_analysis(report: dict) -> list[dict]:
                 continue
             a, b = [scores[ref][s] for s in seeds], [by_seed[s] for s in seeds]
             h, t = hierarchical_difference(a, b, RESAMPLES), seed_level_difference(a, b)
-            rows.append({"set": key, "recipe": name, "reference": ref, "metric": "exact_match", "seeds": seeds,
+            rows.append({"set": key, "recipe": name, "reference": ref, "metric": EXACT_MATCH.key, "seeds": seeds,
                          "hierarchical": h, "seed_level": t, "levels": _levels(a, b)})
     rows += _curve_rows(report.get("curves") or {})
     for row, adjusted in zip(rows, holm([r["hierarchical"]["p"] for r in rows])):

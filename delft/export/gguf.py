@@ -577,8 +577,8 @@ def _probe_section(files: list[GgufFile]) -> list[str]:
         p, t = f.probe, f.number_tokens or {}
         split = "as in training" if t.get("match") else f"differently: {', '.join(map(repr, t.get('differ', [])))}"
         lines.append(f"| {f.file} | {pct(p[EXACT_MATCH.key])} ({pct(p['reference_exact_match'])}) | "
-                     f"{pct(p[DIGIT_ACCURACY.key])} ({pct(p['reference_digit_accuracy'])}) | {pct(p['same_answers'])} | "
-                     f"{split} |")
+                     f"{pct(p[DIGIT_ACCURACY.key])} ({pct(p['reference_digit_accuracy'])}) | "
+                     f"{pct(p['same_answers'])} | {split} |")
     return lines
 
 
