@@ -274,7 +274,7 @@ def test_recipe_check_plan_names_a_corrupt_config(tiny_model_dir, tmp_path):
 
 
 def test_compare_report_skips_a_damaged_metrics_line(tmp_path):
-    from delft.experiments.compare import _last_rows
+    from delft.experiments.arms import _last_rows
     from delft.rundir import METRICS
 
     (tmp_path / METRICS).write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 1.5}\n{"step": 3, "lo\xff')

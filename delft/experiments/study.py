@@ -27,6 +27,9 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
+from delft.evaluation.runs import check_runs
+from delft.experiments.arms import reference_name, resolve_contenders, train_all
+from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
 from delft.outputs import tables_console
 from delft.recipe.schema import (GENERATED, DataConfig, ReasoningGymConfig, Recipe, Section, SyntheticConfig,
     describe_error)
@@ -195,7 +198,6 @@ def _no_split(spec: EvalSet, what: str, where: str) -> None:
 
 def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_dir: Optional[Path], console: Console):
     """compare's contenders (same settings but the loss), their data files looked up in --data-dir."""
-    from delft.experiments.compare import resolve_contenders
 
     if study.curve:
         from delft.experiments.curves import snapshot_override
@@ -234,8 +236,6 @@ def load_sets(sets: dict[str, DataConfig], path: Path, console: Console) -> dict
 
 def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, base: str, contenders, seeds,
                 runs, console: Console, tables: Console, loaded: tuple) -> tuple[dict, list]:
-    from delft.experiments.compare import evaluate_set
-
     rcfg = cfg0.model_copy(deep=True)
     rcfg.eval.max_new_tokens = spec.max_new_tokens
     section, plotted = evaluate_set(key, data_cfg, rcfg, base, contenders, seeds, runs, console, tables,
@@ -285,7 +285,6 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
     from delft.evaluation.problems import BOOTSTRAP_SEED, settings_block
     from delft.evaluation.model_scores import score_gold
     from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
-    from delft.experiments.compare import reference_name
 
     problems, skipped = loaded
     console.rule(f"[bold]{key}[/]: {len(problems)} gold completions, teacher-forced")
@@ -357,7 +356,6 @@ def _write_results(out: Path, report: dict, tables: str, sections: dict[str, tup
                    seeds: Sequence[int], flag: str) -> None:
     """study.json, summary.md, tables.txt and the plots, replacing the study's earlier results in ``out`` as a
     set (an earlier study's plots of other sets never stay beside these)."""
-    from delft.experiments.compare import earlier_results
     from delft.experiments.summary import study_summary
     from delft.outputs import result_set, write_result
 
@@ -395,7 +393,6 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
              train_only: bool, force: bool):
     """Every refusal before training: the out folder, the recipes, the controls, the curve, the eval sets.
     Returns (contenders, the first run's recipe, the sets, their problems (None with train_only))."""
-    from delft.experiments.compare import check_results_out
     from delft.outputs import check_output_dir
 
     out = Path(study.out)
@@ -412,7 +409,6 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
 
 
 def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path: Path) -> None:
-    from delft.experiments.compare import reference_name
     from delft.experiments.curves import check_curve
 
     ref = reference_name(contenders)
@@ -445,7 +441,6 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
 
 def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
             sections: dict, curves: dict, seconds: dict) -> dict:
-    from delft.experiments.compare import json_ready
     from delft.experiments.seed_level import analyse
 
     report = json_ready({
@@ -468,8 +463,6 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
               console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
     summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
-    from delft.evaluation.runs import check_runs
-    from delft.experiments.compare import train_all
     from delft.experiments.seed_level import analysis_renderables
     from delft.models.scratch import base_name
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from typing import Optional
 
+from delft.experiments.results import markdown_set
 from delft.outputs import pct
 
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode.
@@ -109,8 +110,6 @@ def teacher_tables(key: str, sec: dict) -> list[str]:
 
 
 def study_summary(report: dict) -> str:
-    from delft.experiments.compare import markdown_set
-
     seeds = report["settings"]["seeds"]
     secs = report["seconds"]
     asked = report.get("description", "").strip()
