@@ -68,7 +68,8 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
 
 def _columns(contenders: Sequence[Contender], seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> list[Column]:
     """The base model, then every recipe's run per seed."""
-    trained = [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)])) for seed in seeds for c in contenders]
+    trained = [Column(f"{c.name}-seed{seed}", c.name, seed, str(runs[(c.name, seed)]))
+               for seed in seeds for c in contenders]
     return [Column("base", None, None, None)] + trained
 
 
