@@ -9,7 +9,7 @@ from collections import Counter
 from math import comb
 from typing import Optional, Sequence
 
-from delft.evaluation.metrics import bootstrap_ci
+from delft.evaluation.metrics import PASS_1, PASS_K, bootstrap_ci
 from delft.numbers.answers import Scored
 
 
@@ -43,12 +43,12 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 def per_problem(samples: Sequence[Sequence[Scored]]) -> dict[str, list[float]]:
     """Per problem: majority-vote exact (0/1), pass@1 and pass@K (K = the number of samples)."""
-    out: dict[str, list[float]] = {"majority": [], "pass@1": [], "pass@k": []}
+    out: dict[str, list[float]] = {"majority": [], PASS_1.key: [], PASS_K.key: []}
     for group in samples:
         n, c = len(group), sum(s.exact for s in group)
         out["majority"].append(float(majority_vote(group).exact))
-        out["pass@1"].append(pass_at_k(n, c, 1))
-        out["pass@k"].append(pass_at_k(n, c, n))
+        out[PASS_1.key].append(pass_at_k(n, c, 1))
+        out[PASS_K.key].append(pass_at_k(n, c, n))
     return out
 
 
