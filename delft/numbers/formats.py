@@ -1,0 +1,175 @@
+r"""How numbers are written in training text: natural or reversed digit order, with or without a digit-count prefix.
+
+Published fine-tuning gains come from the way numbers are written in the targets: least significant digit first
+(RevOrder, arXiv 2402.03822; "Reverse That Number!", arXiv 2403.05845), so each digit of a sum is written after
+the digits its carry depends on; and a prefix that says how many digits come (NumeroLogic, arXiv 2404.00459), so
+the model knows a digit's place before writing it. :func:`write_numbers` rewrites every number of a text into one
+of these forms and :func:`read_numbers` undoes it exactly: ``read_numbers(write_numbers(s, o, c), o, c) == s`` for
+every string ``s``. :func:`written_places` gives each character of a written text the place of the digit it is
+(the place ``delft.numbers.digits.run_places`` gives that digit in the natural text), so the digit losses and
+inspect can score a reversed or prefixed digit at its true place. Only ASCII digits are digits here.
+
+**Reversed** (``order="reversed"``, no prefix). A *run* is a maximal stretch of ASCII digits joined by single
+``.`` or ``,`` characters (``[0-9]+([.,][0-9]+)*``). Each run is written back to front, character by character;
+everything else stays. A sign stays in front because it is not part of the run, and the decimal point stays
+between the units and the tenths digit, so the digits are written in ascending place, tenths before units:
+
+    42            -> 24                 -1234.5       -> -5.4321           3.14159  -> 95141.3
+    1,234,567     -> 765,432,1          $1,000        -> $000,1            x12y     -> x21y
+    \frac{3}{4}   -> \frac{3}{4}        3rd and 47th  -> 3rd and 74th      0.05     -> 50.0
+    (3,4) and 1.2.3 -> (4,3) and 3.2.1  (numbers glued by "," or "." are one run and are reversed as one)
+
+Why runs and not numbers: reversed number by number, the thousands chain ``4,567`` (``765,4``) and the list
+``567,4`` (``765`` ``,`` ``4``) would be written alike, and no reader could tell them apart. Reversing whole runs
+keeps every written text readable back, since a run's reversal is again a run of the same extent (its ends are
+digits and its neighbours are unchanged). Reading a reversed text is the same operation: every run is reversed
+again.
+
+**Count prefix** (``count_prefix=True``, NumeroLogic). Every *number* (an integer ``[0-9]+``, or a thousands chain
+``1,234,567`` whose groups are the scorer's and the losses', see ``delft.numbers.digits``, with an optional
+``.fraction``) is wrapped as ``{n:number}``, n the count of its integer digits; a number with a fraction carries
+both counts, ``{n.m:number}`` (NumeroLogic's form for floats). Separators are not counted, a sign stays outside:
+
+    42 -> {2:42}    -1234.5 -> -{4.1:1234.5}    1,234,567 -> {7:1,234,567}    x2y -> x{1:2}y    1.2.3 -> {1.1:1.2}.{1:3}
+
+With both (``order="reversed", count_prefix=True``) each wrapped number is reversed inside its braces and the
+counts keep their order (integer digits first): ``1234.5 -> {4.1:5.4321}``, ``1,234 -> {4:432,1}``; the braces
+delimit the numbers, so lists keep their order: ``3,4 -> {1:3},{1:4}``.
+
+Reading a prefixed text unwraps every ``{counts:body}`` whose body is digits, ``.`` and ``,``, whatever the counts
+say (a model's wrong count is dropped, not kept). No text is read wrongly: in a written text every digit of the
+original sits inside a wrapper, so a ``{`` followed by a digit always opens one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+from delft.numbers.digits import run_places
+
+ORDERS = ("natural", "reversed")
+
+
+_RUN = re.compile(r"[0-9]+(?:[.,][0-9]+)*")
+
+
+# A number as the scorer and the losses read it: a thousands chain (first group 1-3 digits not after a digit or a
+# '.', then groups of exactly 3, the last not followed by a digit) or plain digits, then an optional fraction.
+_NUMBER = re.compile(r"(?P<int>(?<![.0-9])[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.(?P<frac>[0-9]+))?")
+
+
+_WRAPPED = re.compile(r"\{[0-9]+(?:\.[0-9]+)?:(?P<body>[0-9][0-9.,]*)\}")
+
+
+# For each character of a produced text, the index of the input character it came from (None: a character the
+# rewrite added, the braces and counts of a prefix).
+Sources = list[Optional[int]]
+
+
+def _check(order: str, count_prefix: bool) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"number order must be one of {ORDERS}, not {order!r}")
+    if not isinstance(count_prefix, bool):
+        raise ValueError(f"count_prefix must be True or False, not {count_prefix!r}")
+
+
+def _rewrite(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Sources]]) -> tuple[str, Sources]:
+    """``text`` with every match of ``pattern`` replaced by ``piece(match)``, and where each output char came from."""
+    out: list[str] = []
+    sources: Sources = []
+    at = 0
+    for m in pattern.finditer(text):
+        out.append(text[at:m.start()])
+        sources.extend(range(at, m.start()))
+        written, came_from = piece(m)
+        out.append(written)
+        sources.extend(came_from)
+        at = m.end()
+    out.append(text[at:])
+    sources.extend(range(at, len(text)))
+    return "".join(out), sources
+
+
+def _reversed_span(m: re.Match, start: int, end: int) -> tuple[str, Sources]:
+    """The characters ``start..end`` of the matched text, back to front."""
+    return m.string[start:end][::-1], list(range(end - 1, start - 1, -1))
+
+
+def _wrap(m: re.Match, order: str) -> tuple[str, Sources]:
+    integer, fraction = m.group("int"), m.group("frac")
+    counts = str(len(integer.replace(",", ""))) + ("" if fraction is None else f".{len(fraction)}")
+    if order == "reversed":
+        body, body_sources = _reversed_span(m, m.start(), m.end())
+    else:
+        body, body_sources = m.group(0), list(range(m.start(), m.end()))
+    head = "{" + counts + ":"
+    return head + body + "}", [None] * len(head) + body_sources + [None]
+
+
+def _unwrap(m: re.Match, order: str) -> tuple[str, Sources]:
+    start, end = m.span("body")
+    if order == "reversed":
+        return _reversed_span(m, start, end)
+    return m.group("body"), list(range(start, end))
+
+
+def _write(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
+    _check(order, count_prefix)
+    if count_prefix:
+        return _rewrite(text, _NUMBER, lambda m: _wrap(m, order))
+    if order == "reversed":
+        return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
+    return text, list(range(len(text)))
+
+
+def _read(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
+    _check(order, count_prefix)
+    if count_prefix:
+        return _rewrite(text, _WRAPPED, lambda m: _unwrap(m, order))
+    if order == "reversed":
+        return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
+    return text, list(range(len(text)))
+
+
+def write_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
+    """``text`` with every number written in the given form (module docstring): ``write_numbers("12+9=21",
+    "reversed") == "21+9=12"``, ``write_numbers("12+9=21", count_prefix=True) == "{2:12}+{1:9}={2:21}"``."""
+    return _write(text, order, count_prefix)[0]
+
+
+def read_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
+    """The natural text a written one stands for: the inverse of :func:`write_numbers` with the same form."""
+    return _read(text, order, count_prefix)[0]
+
+
+def _natural_index(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
+    """The natural text, and for every character of the written ``text`` the index of the natural character it
+    is (None for a prefix's characters, which stand for nothing in the natural text)."""
+    natural, sources = _read(text, order, count_prefix)
+    index: Sources = [None] * len(text)
+    for j, i in enumerate(sources):
+        index[i] = j
+    return natural, index
+
+
+def written_places(text: str, order: str = "natural", count_prefix: bool = False) -> list[Optional[int]]:
+    """The true place of every character of a written text (None for anything that is not a digit of a number).
+
+    A digit's place is the one ``run_places`` gives it in the natural text (:func:`read_numbers`): 1 = units,
+    2 = tens, -1 = tenths. A count prefix's characters (braces, counts, their point and colon) are None, as are
+    separators, points and other text. So ``"{2:24}"`` (reversed, prefixed 42) -> [None, None, None, 1, 2, None];
+    in the natural form the places are those of ``run_places`` itself. The losses thus see the same places in
+    every form, also where ``run_places`` follows the DEL reference rather than the prefix: in a run with a second
+    point (``1.2.3``, ``.532.366``) places count characters from the first point, or, in a run that starts with a
+    point, from the run's end, while the prefix counts the number the scorer reads (``{1.1:1.2}.{1:3}``).
+    """
+    natural, index = _natural_index(text, order, count_prefix)
+    places = run_places(list(natural))
+    return [None if j is None else places[j] for j in index]
+
+
+def prefix_characters(text: str, order: str = "natural", count_prefix: bool = False) -> list[bool]:
+    """For every character of a written text: is it part of a count prefix (``{``, the counts, ``:``, ``}``)? Those
+    characters are written digits that are no digit of the number, which the losses must not score as one."""
+    return [j is None for j in _natural_index(text, order, count_prefix)[1]]
