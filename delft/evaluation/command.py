@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.evaluation.metrics import differences, flags
+from delft.evaluation.metrics import EXACT_MATCH, METRICS, PASS_1, SAMPLING, differences, flags, paired_difference
 from delft.evaluation.problems import (
     BOOTSTRAP_SEED,
     Problem,
@@ -27,6 +27,7 @@ from delft.evaluation.report import print_teacher, render_table, to_json, write_
 from delft.evaluation.results import ModelResult
 from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.runs import check_backend, check_runs, resolve_settings
+from delft.evaluation.sampling import per_problem
 from delft.outputs import check_output_files, write_result
 
 
@@ -69,12 +70,10 @@ def versus(base: ModelResult, r: ModelResult, resamples: int) -> dict:
     sampled), and with samples pass@1 and pass@K."""
     out = differences(flags(base.scored), flags(r.scored), resamples)
     if base.samples is not None and r.samples is not None:
-        from delft.evaluation.metrics import paired_difference
-        from delft.evaluation.sampling import per_problem
-
         a, b = per_problem(base.samples), per_problem(r.samples)
-        for key in ("pass@1", "pass@k"):
-            out[key] = paired_difference(a[key], b[key], resamples, BOOTSTRAP_SEED)
+        for m in METRICS:
+            if m.block == SAMPLING:
+                out[m.key] = paired_difference(a[m.key], b[m.key], resamples, BOOTSTRAP_SEED)
     return out
 
 
@@ -85,9 +84,10 @@ def difference_line(r: ModelResult) -> str:
         span = f" [95 % CI {100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
         return f"{label} {100 * d['difference']:+.1f} points{span}"
 
-    parts = [part("majority-vote exact match" if r.samples is not None else "exact match", r.vs_base["exact_match"])]
-    if "pass@1" in r.vs_base:
-        parts.append(part("pass@1", r.vs_base["pass@1"]))
+    voted = "majority-vote " if r.samples is not None else ""
+    parts = [part(voted + EXACT_MATCH.name, r.vs_base[EXACT_MATCH.key])]
+    if PASS_1.key in r.vs_base:
+        parts.append(part(PASS_1.name, r.vs_base[PASS_1.key]))
     return f"{r.name} vs base: {'; '.join(parts)} (paired bootstrap)"
 
 

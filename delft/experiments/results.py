@@ -16,7 +16,18 @@ from typing import Any, Optional, Sequence
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.evaluation.metrics import bootstrap_ci, differences, flags, place_order, summarize
+from delft.evaluation.metrics import (
+    COLUMNS,
+    EXACT_MATCH,
+    HEADLINE,
+    PAIRED,
+    Metric,
+    bootstrap_ci,
+    differences,
+    flags,
+    place_order,
+    summarize,
+)
 from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.problems import BOOTSTRAP_SEED, describe_source, load_problems, settings_block
 from delft.evaluation.report import predictions, render_table
@@ -112,25 +123,25 @@ def mean_over_seeds(scored_lists: list[list], resamples: int, seed: int) -> dict
     """
     n = len(scored_lists[0])
     pooled = summarize([s for lst in scored_lists for s in lst], resamples, seed)
-    for key, per_problem in zip(("exact_match", "tolerance_match"), _averaged(scored_lists)):
+    for metric, per_problem in zip(PAIRED, _averaged(scored_lists)):
         ci = bootstrap_ci(per_problem, resamples, seed)
-        pooled[f"{key}_ci"] = list(ci) if ci else None
+        pooled[f"{metric.key}_ci"] = list(ci) if ci else None
     pooled["n"] = n
     pooled["seeds"] = len(scored_lists)
     pooled["predictions"] = n * len(scored_lists)
     for place in pooled["per_place"].values():
         place["n"] //= len(scored_lists)
     per_seed = [summarize(lst, 0, seed) for lst in scored_lists]
-    pooled["per_seed"] = {k: [m[k] for m in per_seed] for k in ("exact_match", "tolerance_match",
-                                                                 "digit_accuracy", "mae", "no_number_rate")}
+    pooled["per_seed"] = {h.key: [m[h.key] for m in per_seed] for h in HEADLINE}
     return pooled
 
 
-def _averaged(scored_lists: list[list]) -> tuple[list[float], list[float]]:
-    """Per problem, exact and tolerance match averaged over seeds (the seed mean's paired-bootstrap input)."""
+def _averaged(scored_lists: list[list]) -> tuple[list[float], ...]:
+    """Per problem, each PAIRED metric (exact, tolerance match) averaged over seeds (the seed mean's
+    paired-bootstrap input)."""
     per_seed = [flags(lst) for lst in scored_lists]
     return tuple([sum(f[k][i] for f in per_seed) / len(per_seed) for i in range(len(scored_lists[0]))]
-                 for k in (0, 1))
+                 for k in range(len(PAIRED)))
 
 
 def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict], seeds: Sequence[int],
@@ -160,11 +171,11 @@ def _show_tables(key: str, heading: str, columns: list[Column], means: list[dict
 
 def _diff_line(label: str, d: dict) -> str:
     parts = []
-    for key, what in (("exact_match", "exact"), ("tolerance_match", "tolerance")):
-        x = d[key]
+    for m in PAIRED:
+        x = d[m.key]
         ci = x["ci"]
         span = f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else ""
-        parts.append(f"{what} {100 * x['difference']:+.1f}{span}")
+        parts.append(f"{m.short} {100 * x['difference']:+.1f}{span}")
     return f"{label}: " + ", ".join(parts) + " points (paired bootstrap, 95 % CI)"
 
 
@@ -225,14 +236,16 @@ def markdown_set(key: str, sec: dict, ref: str) -> list[str]:
         if recipe in means:
             rows.append((f"**{recipe} (mean)**", means[recipe]["metrics"], means[recipe]["vs_reference"]))
     src = st["source"] if st["source"] != "synthetic" else f"synthetic, seed {st['data']['synthetic']['seed']}"
+    # the difference from the reference follows the columns with intervals, before the plain numbers
+    split = next((i for i, c in enumerate(COLUMNS) if not c.interval), len(COLUMNS))
+    heads = [_head(c) for c in COLUMNS]
+    heads.insert(split, f"{EXACT_MATCH.short} vs {ref}, points [95 % CI]")
     lines = [f"### {key}: {st['n']} problems ({src}), greedy, max_new_tokens {st['max_new_tokens']}", "",
-             (f"| model | exact match % [95 % CI] | tolerance match % [95 % CI] | exact vs {ref}, points "
-              "[95 % CI] | digit accuracy % | MAE | log-MAE | no number % |"),
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | " + " | ".join(heads) + " |", "|" + "---|" * (len(heads) + 1)]
     for label, m, vs in rows:
-        lines.append(f"| {label} | {_ci(m, 'exact_match')} | {_ci(m, 'tolerance_match')} | {_diff(vs)} | "
-                     f"{pct(m['digit_accuracy'], unit='')} | {num(m['mae'])} | {num(m['log_mae'])} | "
-                     f"{pct(m['no_number_rate'], unit='')} |")
+        cells = [_cell(c, m) for c in COLUMNS]
+        cells.insert(split, _diff(vs))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     places = place_order(p["place"] for _, m, _ in rows for p in m["per_place"].values())
     names = [place_name(p) for p in places]
     counts = [max(m["per_place"].get(n, {}).get("n", 0) for _, m, _ in rows) for n in names]
@@ -246,6 +259,18 @@ def markdown_set(key: str, sec: dict, ref: str) -> list[str]:
     return lines
 
 
+def _head(c: Metric) -> str:
+    """``c``'s Markdown column heading: its name, its unit, its interval."""
+    return c.name + (" %" if c.rate else "") + (" [95 % CI]" if c.interval else "")
+
+
+def _cell(c: Metric, m: dict) -> str:
+    """``c``'s Markdown cell from one model's metrics ``m``."""
+    if c.interval:
+        return _ci(m, c.key)
+    return pct(m.get(c.key), unit='') if c.rate else num(m.get(c.key), c.fmt)
+
+
 def _ci(m: dict, key: str) -> str:
     ci = m.get(f"{key}_ci")
     return pct(m.get(key), unit='') + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
@@ -254,7 +279,7 @@ def _ci(m: dict, key: str) -> str:
 def _diff(d: Optional[dict]) -> str:
     if not d:
         return ""
-    x = d["exact_match"]
+    x = d[EXACT_MATCH.key]
     ci = x["ci"]
     return f"{100 * x['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
 

@@ -8,14 +8,17 @@ from pathlib import Path
 
 from typing import Optional
 
+from delft.evaluation.metrics import PAIRED, mdd
+from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
 from delft.experiments.results import markdown_set
 from delft.outputs import pct
 
-# The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode.
-GREEDY_HEADLINE = (("exact_match", "exact match, points", 100), ("tolerance_match", "tolerance match, points", 100))
+# The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode; a greedy set's
+# are the metrics every comparison differences (delft.evaluation.metrics.PAIRED).
+GREEDY_HEADLINE = tuple((m.key, f"{m.name}, points", 100) for m in PAIRED)
 
 
-TEACHER_HEADLINE = (("digits", "digit_accuracy", "teacher-forced digit accuracy, points", 100),
+TEACHER_HEADLINE = (("digits", ARGMAX_ACCURACY, "teacher-forced digit accuracy, points", 100),
                     ("digits", "digit_ce", "digit CE, nats", 1), ("text", "text_ce", "non-digit CE, nats", 1))
 
 
@@ -29,8 +32,6 @@ def _signed(d: Optional[dict], scale: float) -> str:
 
 
 def _mdd(d: Optional[dict], scale: float) -> str:
-    from delft.evaluation.metrics import mdd
-
     value = mdd(d.get("ci")) if d else None
     if value is None:
         return "-"
@@ -96,14 +97,15 @@ def teacher_tables(key: str, sec: dict) -> list[str]:
              f"digit CE | non-digit CE (n={first['text']['n']}) | non-digit perplexity |",
              "|---|---|---|---|---|---|"]
     for label, m in ordered:
-        lines.append(f"| {label} | {pct(m['digits']['digit_accuracy'], unit='')} | {pct(m['digits']['full_accuracy'], unit='')} | "
-                     f"{_nats(m['digits']['digit_ce'])} | {_nats(m['text']['ce'])} | {_nats(m['text']['perplexity'])} |")
+        d, t = m["digits"], m["text"]
+        lines.append(f"| {label} | {pct(d[ARGMAX_ACCURACY], unit='')} | {pct(d['full_accuracy'], unit='')} | "
+                     f"{_nats(d['digit_ce'])} | {_nats(t['ce'])} | {_nats(t['perplexity'])} |")
     places = list(first["per_place"])
     lines += ["", "Teacher-forced digit argmax accuracy per place, % (n = digit positions at that place):", "",
               "| model | " + " | ".join(f"{p} (n={first['per_place'][p]['n']})" for p in places) + " |",
               "|---|" + "---|" * len(places)]
     for label, m in ordered:
-        lines.append(f"| {label} | " + " | ".join(pct(m["per_place"].get(p, {}).get("digit_accuracy"), unit='')
+        lines.append(f"| {label} | " + " | ".join(pct(m["per_place"].get(p, {}).get(ARGMAX_ACCURACY), unit='')
                                                  for p in places) + " |")
     lines.append("")
     return lines
