@@ -155,7 +155,7 @@ def train(
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
     from delft.recipe.files import load_recipe
     from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
-    from delft.training.trainer import run_training
+    from delft.training.command import run_training
 
     cfg = load_recipe(recipe, set_)
     if nproc > 1:

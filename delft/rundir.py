@@ -60,6 +60,20 @@ def write_info(run_dir: Path, info: dict) -> None:
     write_atomic(Path(run_dir) / RUN_INFO, json.dumps(info, indent=2))
 
 
+def start_info(run_dir: Path, *, stage: str, base_model: str, base_model_path: str, architecture: dict,
+               quantization: str, finetuning: str, init: str, continued_from: Optional[str], loss: str,
+               loss_weight: float, loss_path: Optional[str], step: int, total_steps: int, liger_kernels: list,
+               data: dict, world_size: int) -> None:
+    """``delft_run.json`` of a run that starts or resumes (status running): every stage records these same keys,
+    which eval, inspect, export and compare read; the checkpoints, the end and a stop update it (``update_info``)."""
+    write_info(run_dir, {
+        "status": RUNNING, "stage": stage, "base_model": base_model, "base_model_path": base_model_path,
+        "architecture": architecture, "quantization": quantization, "finetuning": finetuning, "init": init,
+        "continued_from": continued_from, "loss": loss, "loss_weight": loss_weight, "loss_path": loss_path,
+        "step": step, "total_steps": total_steps, "liger_kernels": liger_kernels, "data": data,
+        "world_size": world_size})
+
+
 def update_info(run_dir: Path, **changes) -> dict:
     info = read_info(run_dir)
     info.update(changes)

@@ -303,7 +303,7 @@ def varied_reward(completions, **kwargs):
 def interrupt_on_step(monkeypatch, n: int):
     """Make the trainer's n-th optimizer step raise KeyboardInterrupt (Ctrl-C inside a step); returns a function
     that puts the real step back, for the resume."""
-    import delft.training.trainer as train_mod
+    import delft.training.sft as train_mod
 
     real, calls = train_mod.optimizer_step, {"n": 0}
 

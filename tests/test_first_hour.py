@@ -13,12 +13,12 @@ import sys
 import pytest
 from helpers import lora_run, recipe_file, run_cli, write_yaml
 
-import delft.training.trainer as train_mod
+import delft.training.sft as train_mod
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info
 from delft.training.early_stopping import EarlyStopping
 from delft.training.precheck import busy_machine
-from delft.training.trainer import run_training
+from delft.training.command import run_training
 
 FAST = ["--set", "eval.max_new_tokens=2", "--set", "eval.batch_size=2", "--set", "eval.bootstrap=10"]
 

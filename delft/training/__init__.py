@@ -1,4 +1,5 @@
-"""Training: run setup, the optimizer step, the schedule of batches, checkpoints and exact resume, Ctrl-C/SIGTERM,
-the run lock, data-parallel over several processes, the memory plan, held-out accuracy during training, and the
-``Trainer`` that ties them together (``training.trainer.run_training``).
+"""Training: ``delft train``'s stages (``training.command.STAGES``: the SFT loop in ``training.sft``, GRPO on TRL in
+``training.grpo``) and the run lifecycle they share (``training.run``: the lock, new/resume/replace, the run info,
+the final save, Ctrl-C/SIGTERM), with run setup, the optimizer step, the schedule of batches, checkpoints and exact
+resume, data-parallel over several processes, held-out accuracy during training and early stopping.
 """

@@ -1,19 +1,22 @@
 """``delft train`` with ``train.stage: grpo``: reinforcement learning from verifiable numeric rewards, run by TRL's
 GRPOTrainer (delft.integrations.grpo.DigitGRPOTrainer: the auxiliary digit term on the gold solutions), inside
-delft's run directory contract.
+the run lifecycle every stage shares (delft.training.run).
 
-The contract is the SFT stage's: the run lock, ``recipe.yaml``, ``delft_run.json``, ``metrics.jsonl``, checkpoints
-under ``checkpoints/step-NNNNNN`` (transformers' own checkpoint, renamed into place once whole, so a half-written
-one is never resumed), exact resume, Ctrl-C / SIGTERM ending the step in flight and saving, a live line per logged
-step, and at the end the adapter and tokenizer at the top of the run directory, so eval, inspect, export, compare
-and study take a GRPO run as they take an SFT run. TRL's own loop runs the steps (generation, rewards, advantages,
-the clipped objective); delft's pieces are callbacks around it.
+The lifecycle gives it the SFT stage's contract: the run lock, ``recipe.yaml``, ``delft_run.json`` with the same
+keys, ``metrics.jsonl``, exact resume, Ctrl-C / SIGTERM saving the last whole step, and at the end the adapter and
+tokenizer at the top of the run directory (free space checked, a full disk said in one paragraph), so eval,
+inspect, export, compare and study take a GRPO run as they take an SFT run. TRL's own loop runs the steps
+(generation, rewards, advantages, the clipped objective); this module gives it the rows, the rewards and the
+config, and a callback that logs each step, renames transformers' checkpoints into ``checkpoints/step-NNNNNN``
+once whole (a half-written one is never resumed), and stops the loop at the step's end when a signal came.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import inspect
-import json
 import math
 import os
 import shutil
@@ -21,14 +24,20 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rich.console import Console
-
 from delft import rundir
+from delft.data.batches import tokenize_example
+from delft.data.pipeline import load_examples
+from delft.data.prompts import render_prompt
 from delft.errors import UserError
-from delft.outputs import append_line, follow_umask, write_atomic
+from delft.losses.registry import LOSS_TYPES
+from delft.numbers.answers import parse_number
+from delft.numbers.rewards import digit_reward, exact_reward
 from delft.recipe.schema import Recipe
-from delft.recipe.files import dump_recipe
-from delft.training.checkpoints import AGAIN, check_data_only
+from delft.training import distributed as dist
+from delft.training.checkpoints import check_data_only
+from delft.training.resume import checkpoint_step
+from delft.training.run import Run
+from delft.training.setup import build_model, setup
 
 HF_CHECKPOINTS = ".hf"  # under checkpoints/: where transformers writes checkpoint-N before it is renamed
 
@@ -36,11 +45,6 @@ HF_CHECKPOINTS = ".hf"  # under checkpoints/: where transformers writes checkpoi
 def grpo_rows(recipe: Recipe, tokenizer) -> list[dict]:
     """The training prompts as TRL rows: the rendered prompt, the gold number the rewards read, and the gold
     solution tokenised as delft's SFT tokenises it (the auxiliary term's input)."""
-    from delft.data.pipeline import load_examples
-    from delft.data.prompts import render_prompt
-    from delft.data.batches import tokenize_example
-    from delft.numbers.answers import parse_number
-
     rows = []
     for ex in load_examples(recipe.data):
         gold = ex.answer if ex.answer is not None else ex.completion
@@ -58,8 +62,6 @@ def grpo_rows(recipe: Recipe, tokenizer) -> list[dict]:
 
 def reward_setup(recipe: Recipe) -> tuple[list, list[float], str]:
     """(TRL reward functions, their weights, how TRL combines them) for grpo.reward and grpo.reward_functions."""
-    from delft.numbers.rewards import digit_reward, exact_reward
-
     g = recipe.grpo
     funcs, weights = [exact_reward], [1.0]
     if g.reward == "partial":
@@ -74,8 +76,6 @@ def reward_setup(recipe: Recipe) -> tuple[list, list[float], str]:
 
 
 def _import_reward(spec: str):
-    import importlib
-
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
@@ -144,50 +144,46 @@ def vllm_settings(cpu: bool) -> dict:
     never on the CPU. Not run in delft's tests (no GPU there): docs/grpo.md#on-cuda."""
     if cpu:
         return {"use_vllm": False}
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         return {"use_vllm": False}
     return {"use_vllm": True, "vllm_mode": "colocate"}
 
 
-def _callback_base():
-    from transformers import TrainerCallback
+class RunDirCallback:
+    """delft's side of TRL's loop: a metrics.jsonl line and the live line at each log (the last step's too,
+    whatever train.logging_steps says, as the SFT loop logs it), checkpoints renamed into place and rotated, the run
+    info's step, and a recorded Ctrl-C / SIGTERM ending the run at the next step's end. transformers takes it as a
+    TrainerCallback (``trainer_callback``)."""
 
-    return TrainerCallback
-
-
-class RunDirCallback(_callback_base()):
-    """delft's side of TRL's loop: metrics.jsonl and the live line at each log, checkpoints renamed into place and
-    rotated, the run info's step, and a recorded Ctrl-C / SIGTERM ending the run at the next step's end."""
-
-    def __init__(self, run_dir: Path, stops, console: Console, keep: int, term_name: str):
-        self.run_dir, self.stops, self.console, self.keep, self.term_name = run_dir, stops, console, keep, term_name
+    def __init__(self, run: Run, keep: int, term_name: str):
+        self.run, self.keep, self.term_name = run, keep, term_name
         self.started, self.last = time.perf_counter(), (time.perf_counter(), 0)
         self.first_step: Optional[int] = None  # the step before the first logged one (a resumed run's checkpoint)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.stops.received is not None:
+        if self.run.stops.received is not None:
             control.should_save, control.should_training_stop = True, True
+        if state.global_step >= state.max_steps:
+            control.should_log = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
         src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if src.is_dir():
-            dest = rundir.checkpoint_path(self.run_dir, state.global_step)
+            dest = rundir.checkpoint_path(self.run.dir, state.global_step)
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(src, dest)  # whole, or not there: resume never reads a half-written checkpoint
-            for old in rundir.checkpoints(self.run_dir)[:-self.keep]:
+            for old in rundir.checkpoints(self.run.dir)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-            rundir.update_info(self.run_dir, step=state.global_step)
+            self.run.record(state.global_step, None)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:
             return control
         row = metrics_row(state.global_step, logs, self._rate(state, logs))
-        append_line(self.run_dir / rundir.METRICS, json.dumps(row), "output.dir", AGAIN)
-        self.console.print(self.line(row, state), highlight=False)
+        self.run.log(row)
+        self.run.console.print(self.line(row, state), highlight=False)
         return control
 
     def _rate(self, state, logs) -> float:
@@ -208,6 +204,15 @@ class RunDirCallback(_callback_base()):
                 f"{row['tokens_per_s']:,.0f} tok/s  ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 
+@functools.cache
+def trainer_callback() -> type:
+    """RunDirCallback on transformers' TrainerCallback (which gives the events it leaves alone), made on first use:
+    transformers loads torch, which the cheap checks of ``delft train`` run before."""
+    from transformers import TrainerCallback
+
+    return type("RunDirCallback", (RunDirCallback, TrainerCallback), {})
+
+
 def metrics_row(step: int, logs: dict, tokens_per_s: float) -> dict:
     """One metrics.jsonl row of a GRPO step: delft's names for TRL's logs (loss, ce and term of the auxiliary
     term, rewards, the advantage spread, KL, completion length, learning rate, tokens/s)."""
@@ -222,127 +227,99 @@ def metrics_row(step: int, logs: dict, tokens_per_s: float) -> dict:
     return row
 
 
-def build_trainer(recipe: Recipe, run_dir: Path, console: Console, stops):
-    """(the DigitGRPOTrainer, the setup): model with LoRA (or the adapter it continues), rows, rewards, config."""
-    from datasets import Dataset
-
-    from delft.training.grpo_trainer import DigitGRPOTrainer
-    from delft.training.setup import build_model, setup
-
-    s = setup(recipe)
-    model, _, _ = build_model(s, console)
-    rows = grpo_rows(recipe, s.tokenizer)
-    steps = total_steps(recipe, len(rows))
-    rewards = reward_setup(recipe)
-    args = grpo_config(recipe, run_dir, steps, s.device, rewards)
-    loss = recipe.loss
-    term_name = loss.type.upper() if loss.type != "ce" else "digit"
-    callback = RunDirCallback(run_dir, stops, console, recipe.train.keep_checkpoints, term_name)
-    trainer = DigitGRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                               processing_class=s.tokenizer, reward_funcs=rewards[0], callbacks=[callback],
-                               digit_loss=aux_loss_options(loss),
-                               aux_mu=recipe.grpo.aux_mu, aux_mu_end=recipe.grpo.aux_mu_end)
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)  # delft prints its own line per logged step
-    g = recipe.grpo
-    console.print(f"[bold]grpo[/] {len(rows)} prompts, {steps} steps x {recipe.train.grad_accum} micro-steps of "
-                  f"{recipe.train.batch_size} prompts x {g.num_generations} samples (<= {g.max_completion_length} "
-                  f"tokens, temperature {g.temperature:g}); reward {g.reward}"
-                  + (f" + {len(g.reward_functions)} of yours" if g.reward_functions else "")
-                  + (f"; auxiliary mu {g.aux_mu:g}" + (f" -> {g.aux_mu_end:g}" if g.aux_mu_end is not None else "")
-                     + f" x (CE + {loss.weight:g} x {loss.type})" if g.aux_mu or g.aux_mu_end else ""))
-    return trainer, s, steps
-
-
-def aux_loss_options(loss) -> dict:
-    """The recipe's loss section as DigitLoss options (the type's own, such as dist2's tau, only for that type),
-    normalised globally: the auxiliary term is a mean over the whole gold batch."""
-    from delft.losses.registry import LOSS_TYPES
-
-    return {"type": loss.type, "weight": loss.weight, "place_weights": loss.place_weights,
-            "place_weight_cap": loss.place_weight_cap, **{p: getattr(loss, p) for p in LOSS_TYPES[loss.type].params}}
-
-
-def start_info(run_dir: Path, recipe: Recipe, s, model, steps: int) -> None:
-    from dataclasses import asdict
-
-    write_atomic(run_dir / rundir.RECIPE, dump_recipe(recipe))
-    rundir.write_info(run_dir, {
-        "status": rundir.RUNNING, "stage": "grpo", "base_model": s.model_ref.portable_name(),
-        "base_model_path": s.model_ref.path, "architecture": rundir.architecture(model.get_base_model().config),
-        "quantization": s.quantization, "loss": recipe.loss.type, "loss_weight": recipe.loss.weight,
-        "step": rundir.read_info(run_dir).get("step", 0), "total_steps": steps, "data": asdict(s.stats),
-        "continued_from": recipe.model.adapter, "world_size": 1})
-
-
-def finish(trainer, s, run_dir: Path, console: Console) -> None:
-    """The adapter and tokenizer at the top of the run directory, the run marked completed, checkpoints gone."""
-    from delft.training.report import plot_losses
-
-    tmp = run_dir / ".final-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(tmp)
-    s.tokenizer.save_pretrained(tmp)
-    follow_umask(tmp)
-    for f in tmp.iterdir():
-        os.replace(f, run_dir / f.name)
-    tmp.rmdir()
-    metrics = run_dir / rundir.METRICS
-    if metrics.is_file():
-        plot_losses(metrics, run_dir / rundir.LOSS_CURVE, s.recipe.loss.type)
-    rundir.update_info(run_dir, step=trainer.state.global_step, status=rundir.COMPLETED)
-    shutil.rmtree(rundir.checkpoints_root(run_dir), ignore_errors=True)
-    console.print(f"[bold green]done[/] adapter, tokenizer, metrics.jsonl and loss_curve.png in {run_dir}")
-
-
-def run_grpo(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
-             console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
-    """Train ``recipe`` (train.stage grpo) into its output.dir: fresh, resumed from its last checkpoint, or with
-    ``force`` replacing an earlier run; Ctrl-C or SIGTERM saves the last whole step and exits 130 / 143."""
-    from delft.training.lock import run_lock
-    from delft.training.resume import (
-        check_replaceable,
-        check_steps_left,
-        check_writable,
-        checkpoint_step,
-        prepare_run_dir,
-        truncate_metrics,
-    )
-    from delft.training.signals import StopSignals
-
-    console = console or Console()
+def check(recipe: Recipe) -> None:
+    """What GRPO refuses before the lock is taken and any model loads: more than one process, TRL missing, a
+    reward function that does not import or cannot take TRL's call."""
+    if dist.world_size() > 1:
+        raise UserError("train.stage grpo runs in one process here", "train.stage",
+                        "Drop --nproc / torchrun for GRPO (TRL's multi-GPU GRPO goes through accelerate).")
     try:
         import trl  # noqa: F401
     except ImportError:
         raise UserError("train.stage grpo runs TRL's GRPOTrainer, and trl is not installed", "train.stage",
                         'Install it: pip install "delft-digits[trl]" (TRL 1.16).') from None
-    reward_setup(recipe)  # imports and checks grpo.reward_functions before the lock is taken and any model loads
-    run = Path(recipe.output.dir)
-    check_replaceable(run)
-    check_writable(run)
-    with run_lock(run) as lock:
-        run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, lock.stale_pid)
-        stops = StopSignals(immediate=False)
-        trainer, s, steps = build_trainer(recipe, run_dir, console, stops)
-        if ckpt is not None:
-            check_steps_left(ckpt, steps)
-            check_data_only(ckpt)  # before truncating metrics or touching the run: a planted file changes nothing
-        if replace:
-            console.print(f"[yellow]--force: replacing {run_dir}[/]")
-            rundir.clear(run_dir)  # the directory stays: it holds the lock
-        rundir.checkpoints_root(run_dir).mkdir(parents=True, exist_ok=True)
-        if ckpt is not None:
-            truncate_metrics(run_dir / rundir.METRICS, checkpoint_step(ckpt), console)
-        start_info(run_dir, recipe, s, trainer.model, steps)
-        with stops:
-            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
-        if stops.received is not None:
-            step = trainer.state.global_step
-            rundir.update_info(run_dir, step=step, status=rundir.INTERRUPTED)
-            console.print(f"\n[yellow]{stops.how}.[/] Saved {rundir.checkpoint_path(run_dir, step)} (step {step}/{steps}). "
-                          f"Resume with: {resume_command}")
-            raise SystemExit(stops.exit_code)
-        finish(trainer, s, run_dir, console)
-    return run_dir
+    reward_setup(recipe)
 
+
+def load(recipe: Recipe, run: Run) -> "GRPOStage":
+    """The GRPO stage of ``run``: model (with LoRA, or the adapter it continues), rows, rewards and TRL's trainer,
+    built before anything in the run directory changes; a resumed checkpoint's torch files read as data first."""
+    if run.ckpt is not None:
+        check_data_only(run.ckpt)  # before truncating metrics or touching the run: a planted file changes nothing
+    return GRPOStage(recipe, run)
+
+
+class GRPOStage:
+    """TRL's GRPO loop as the run lifecycle drives a stage (delft.training.run.StageTrainer)."""
+
+    what = "adapter"  # GRPO trains a LoRA policy (the recipe refuses full fine-tuning)
+    loss_path = None  # the auxiliary term is delft's loss module, not the SFT loop's CE paths
+
+    def __init__(self, recipe: Recipe, run: Run):
+        self.run = run
+        self.setup = setup(recipe)
+        self.model, _, self.kernels = build_model(self.setup, run.console)
+        rows = grpo_rows(recipe, self.setup.tokenizer)
+        self.total_steps = total_steps(recipe, len(rows))
+        self.trainer = build_trainer(recipe, run, self.setup, self.model, rows, self.total_steps)
+        self.resumed = 0  # the checkpoint's step, until TRL's loop runs
+
+    @property
+    def step(self) -> int:
+        return max(self.trainer.state.global_step, self.resumed)
+
+    def open(self, ckpt: Optional[Path]) -> None:
+        """TRL's loop loads the checkpoint itself (``train``); its checkpoints go under checkpoints/."""
+        self.resumed = checkpoint_step(ckpt) if ckpt is not None else 0
+        rundir.checkpoints_root(self.run.dir).mkdir(parents=True, exist_ok=True)
+
+    def train(self) -> None:
+        ckpt = self.run.ckpt
+        self.trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+
+    def save_checkpoint(self) -> Optional[Path]:
+        """None: TRL saves the step a signal stops the loop on and the last step (the lifecycle finds them), and
+        before its first step there is nothing to save."""
+        return None
+
+    def write_final(self, tmp: Path) -> None:
+        self.trainer.model.save_pretrained(tmp)
+        self.setup.tokenizer.save_pretrained(tmp)
+
+    def end(self) -> tuple[dict, list[Path]]:
+        return {}, []
+
+
+def build_trainer(recipe: Recipe, run: Run, s, model, rows: list[dict], steps: int):
+    """The DigitGRPOTrainer of ``rows``, with the rewards, the config and RunDirCallback, said in one line."""
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+
+    from delft.training.grpo_trainer import DigitGRPOTrainer
+
+    rewards = reward_setup(recipe)
+    args = grpo_config(recipe, run.dir, steps, s.device, rewards)
+    loss = recipe.loss
+    term_name = loss.type.upper() if loss.type != "ce" else "digit"
+    callback = trainer_callback()(run, recipe.train.keep_checkpoints, term_name)
+    trainer = DigitGRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=s.tokenizer, reward_funcs=rewards[0], callbacks=[callback],
+                               digit_loss=aux_loss_options(loss),
+                               aux_mu=recipe.grpo.aux_mu, aux_mu_end=recipe.grpo.aux_mu_end)
+    trainer.remove_callback(PrinterCallback)  # delft prints its own line per logged step
+    g = recipe.grpo
+    run.console.print(
+        f"[bold]grpo[/] {len(rows)} prompts, {steps} steps x {recipe.train.grad_accum} micro-steps of "
+        f"{recipe.train.batch_size} prompts x {g.num_generations} samples (<= {g.max_completion_length} tokens, "
+        f"temperature {g.temperature:g}); reward {g.reward}"
+        + (f" + {len(g.reward_functions)} of yours" if g.reward_functions else "")
+        + (f"; auxiliary mu {g.aux_mu:g}" + (f" -> {g.aux_mu_end:g}" if g.aux_mu_end is not None else "")
+           + f" x (CE + {loss.weight:g} x {loss.type})" if g.aux_mu or g.aux_mu_end else ""))
+    return trainer
+
+
+def aux_loss_options(loss) -> dict:
+    """The recipe's loss section as DigitLoss options (the type's own, such as dist2's tau, only for that type),
+    normalised globally: the auxiliary term is a mean over the whole gold batch."""
+    return {"type": loss.type, "weight": loss.weight, "place_weights": loss.place_weights,
+            "place_weight_cap": loss.place_weight_cap, **{p: getattr(loss, p) for p in LOSS_TYPES[loss.type].params}}

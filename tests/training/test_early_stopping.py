@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import adapter_weights, interrupt_on_step, recipe_file, write_yaml
 
-import delft.training.trainer as train_mod
+import delft.training.sft as train_mod
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info, snapshot_path
 from delft.training.early_stopping import EarlyStopping
-from delft.training.trainer import run_training
+from delft.training.command import run_training
 
 # validation losses at steps 1, 2, 3, ...: the best is step 5 (0.49, the lowest); it is not lower than step 3's 0.5
 # by more than min_delta 0.05, so patience keeps counting from step 3 and the run stops at step 6

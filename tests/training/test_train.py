@@ -4,12 +4,12 @@ import pytest
 import torch
 from helpers import adapter_weights, interrupt_on_step, recipe_file
 
-import delft.training.trainer as train_mod
+import delft.training.sft as train_mod
 from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
 from delft.recipe.files import load_recipe
 from delft.rundir import latest_checkpoint
-from delft.training.trainer import run_training
+from delft.training.command import run_training
 
 
 @pytest.mark.slow
