@@ -20,8 +20,9 @@ FLOORS = [
     ("delft.models",),
     ("delft.planning",),
     ("delft.evaluation",),
+    ("delft.integrations",),  # the trainers for library use; training's GRPO stage runs DigitGRPOTrainer
     ("delft.training",),
-    ("delft.inspection", "delft.export", "delft.integrations"),
+    ("delft.inspection", "delft.export"),
     ("delft.experiments",),
     ("delft.cli", "delft.__main__"),
 ]
@@ -167,3 +168,56 @@ def test_no_module_shadows_the_standard_library():
     stdlib = set(sys.stdlib_module_names)
     clash = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.stem in stdlib and p.stem != "__init__"]
     assert not clash, clash
+
+
+# What only the run lifecycle (delft/training/run.py) calls: the run lock and the writers of delft_run.json (each
+# allowed in the module that defines it).
+LIFECYCLE_CALLS = {"run_lock": "delft.training.lock", "write_info": "delft.rundir", "update_info": "delft.rundir",
+                   "start_info": "delft.rundir"}
+FILE_WRITERS = {"write_atomic", "write_text", "write_bytes", "open", "write_result", "append_line", "dump"}
+
+
+def called_name(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def names_run_info(node: ast.AST) -> bool:
+    """``node`` mentions delft_run.json: rundir.RUN_INFO or the file name itself."""
+    return any((isinstance(n, ast.Name) and n.id == "RUN_INFO") or (isinstance(n, ast.Attribute) and n.attr == "RUN_INFO")
+               or (isinstance(n, ast.Constant) and n.value == "delft_run.json") for n in ast.walk(node))
+
+
+def written(call: ast.Call) -> list[ast.AST]:
+    """What a write call names as its file: its arguments, and the path a method is called on (path.write_text)."""
+    return [*call.args, *([call.func.value] if isinstance(call.func, ast.Attribute) else [])]
+
+
+def test_every_stage_trains_through_the_run_lifecycle():
+    """Every train.stage the schema accepts has a STAGES entry whose module builds on delft.training.run, and no
+    module but run.py takes the run lock or writes delft_run.json (by rundir's writers or by a write of its own):
+    a stage cannot skip the lock, the run info, the final save's checks or the stopped exit."""
+    from typing import get_args
+
+    from delft.recipe.schema import TrainConfig
+    from delft.training.command import STAGES
+
+    mods = modules()
+    assert set(STAGES) == set(get_args(TrainConfig.model_fields["stage"].annotation))
+    for name, stage in STAGES.items():
+        module = stage.load.__module__
+        used = {target for target, _, _ in imports(mods[module], set(mods))}
+        assert "delft.training.run" in used, f"train.stage {name}: {module} does not build on delft.training.run"
+    outside = []
+    for m, tree in mods.items():
+        if m == "delft.training.run":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = called_name(node)
+            if LIFECYCLE_CALLS.get(name, m) != m:
+                outside.append(f"{m}:{node.lineno} calls {name}")
+            elif name in FILE_WRITERS and m != "delft.rundir" and any(map(names_run_info, written(node))):
+                outside.append(f"{m}:{node.lineno} writes delft_run.json ({name})")
+    assert not outside, "\n".join(outside)

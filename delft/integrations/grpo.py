@@ -1,21 +1,187 @@
-"""delft's GRPO trainer for library use: TRL's ``GRPOTrainer`` plus the auxiliary digit term on the gold solutions
-(delft.training.grpo_trainer, where it lives because ``delft train``'s GRPO stage runs it), the numeric rewards
-as TRL reward functions (delft.numbers.rewards), and ``add_gold_columns``, which gives a dataset of TRL's
-``prompt`` / ``completion`` rows the gold token ids the auxiliary term reads.
+"""GRPO with a digit-aware auxiliary term, on TRL's ``GRPOTrainer`` (TRL 1.16): ``DigitGRPOTrainer`` (``delft train``
+runs it with ``train.stage: grpo``, delft.training.grpo), the numeric rewards as TRL reward functions
+(delft.numbers.rewards), and ``add_gold_columns``, which gives a dataset of TRL's ``prompt`` / ``completion`` rows
+the gold token ids the auxiliary term reads.
 
     from delft.integrations.grpo import DigitGRPOTrainer, add_gold_columns, exact_reward, digit_reward
+
+    trainer = DigitGRPOTrainer(model=model, args=GRPOConfig(...), train_dataset=ds, processing_class=tokenizer,
+                               reward_funcs=[exact_reward], digit_loss={"type": "del_prob", "weight": 0.3},
+                               aux_mu=0.9, aux_mu_end=0.05)
+
+loss = TRL's GRPO loss on the sampled completions + mu x (CE + weight x digit term) on the teacher-forced gold
+solutions of the same prompts (CHORD, arXiv 2508.11408, mixes SFT into RL this way, mu decaying from 0.9 to 0.05).
+The gold solutions stay out of the sampled group: inside it, clipped importance ratios would make an off-policy
+gold answer contribute almost nothing (the reason huggingface/trl#2680 was closed). The auxiliary term is delft's
+SFT loss: CE per gold label token + weight x the term per gold digit character, both counts taken over the whole
+gold batch of the optimizer step (every micro-step, every rank), so it does not depend on how the batch is split.
+
+Each dataset row carries the gold as token ids, ``gold_input_ids`` and ``gold_labels`` (prompt masked with -100:
+``add_gold_columns`` builds them from TRL's prompt/completion columns; ``delft train`` from its recipe's data);
+``answer`` (or a reward's ``answer_column``) is the gold number the rewards read. Rows without what the term or the
+rewards read are refused at construction. With mu = 0 throughout, the trainer is TRL's ``GRPOTrainer`` unchanged.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from delft.data.batches import Tokenized, collate
 from delft.errors import UserError
-from delft.numbers.rewards import digit_reward, exact_reward
+from delft.integrations.digit_options import check_mu, digit_loss_options
+from delft.losses.misuse import callers_words, check_number_rows, output_layer
+from delft.models.loading import last_hidden_states
+from delft.numbers.rewards import answer_column_of, digit_reward, exact_reward
 from delft.numbers.tokens import IGNORE
-from delft.training.grpo_trainer import GOLD_COLUMNS, DigitGRPOTrainer, mu_at
 
 __all__ = ["DigitGRPOTrainer", "add_gold_columns", "digit_reward", "exact_reward", "gold_ids", "mu_at"]
+
+GOLD_COLUMNS = ("gold_input_ids", "gold_labels")
+
+
+def _grpo_trainer():
+    from trl import GRPOTrainer
+
+    return GRPOTrainer
+
+
+@dataclass
+class GoldBatch:
+    """One generation batch's gold solutions, split into the micro-steps that consume that batch."""
+
+    parts: list  # collated {input_ids, attention_mask, labels} per micro-step (None for an empty part)
+    counts: Any  # delft.losses.loss.Counts over the whole gold batch (every part, every rank)
+
+
+def mu_at(step: int, total: int, mu: float, mu_end: Optional[float]) -> float:
+    """The auxiliary weight at optimizer ``step`` of ``total``: ``mu`` throughout, or linear from ``mu`` to
+    ``mu_end`` over the run."""
+    if mu_end is None or total <= 1:
+        return mu
+    return mu + (mu_end - mu) * min(1.0, step / (total - 1))
+
+
+_COLUMNS_FIX = ("Build the gold columns from TRL's prompt/completion columns with delft.integrations.grpo."
+                "add_gold_columns(dataset, tokenizer), or pass aux_mu=0 (GRPO alone); for delft's rewards, add the "
+                "answer column or read another: functools.partial(exact_reward, answer_column=...).")
+
+
+class DigitGRPOTrainer(_grpo_trainer()):
+    """TRL's ``GRPOTrainer`` plus mu x delft's SFT loss on the gold solutions (see the module docstring)."""
+
+    def __init__(self, *args, digit_loss: Optional[dict] = None, aux_mu: float = 0.0,
+                 aux_mu_end: Optional[float] = None, **kwargs):
+        check_mu(aux_mu=aux_mu, aux_mu_end=aux_mu_end)  # before the Trainer loads anything
+        opts = digit_loss_options(digit_loss, default_type="ce")
+        super().__init__(*args, **kwargs)
+        from delft.losses.modules import DigitLoss  # torch at import: loaded with the trainer, not with this module
+
+        with callers_words('pass digit_loss={"type": "ce"} to DigitGRPOTrainer (CE alone)'):
+            self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
+        self.aux_mu, self.aux_mu_end = float(aux_mu), aux_mu_end
+        self._gold: Optional[GoldBatch] = None
+        self._check_columns(getattr(self.train_dataset, "column_names", None), "train_dataset")
+        if self.aux_on:
+            output_layer(self.model, "DigitGRPOTrainer")
+            check_number_rows(self.model, self.digit_loss.vocab, self.processing_class, "DigitGRPOTrainer")
+
+    def _check_columns(self, columns, where: str) -> None:
+        """Refuse, before any generation, rows without what the auxiliary term (the gold token ids) or delft's
+        rewards (their ``answer_column``) read; ``columns`` None (an IterableDataset without features): no check."""
+        if columns is None:
+            return
+        needed = {c: "the auxiliary term (aux_mu > 0)" for c in GOLD_COLUMNS if self.aux_on}
+        for fn in self.reward_funcs:
+            column = answer_column_of(fn)
+            if column is not None:
+                needed.setdefault(column, f"the reward {getattr(getattr(fn, 'func', fn), '__name__', fn)!r}")
+        missing = [c for c in needed if c not in columns]
+        if missing:
+            raise UserError(f"DigitGRPOTrainer: {where} has no column {', '.join(map(repr, missing))}, which "
+                            f"{needed[missing[0]]} reads (its columns: {', '.join(map(str, columns)) or 'none'})",
+                            fix=_COLUMNS_FIX)
+
+    @property
+    def aux_on(self) -> bool:
+        return self.aux_mu > 0 or bool(self.aux_mu_end)
+
+    def current_mu(self) -> float:
+        return mu_at(self.state.global_step, self.state.max_steps, self.aux_mu, self.aux_mu_end)
+
+    # ------------------------------------------------------------------ the gold batch
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        if inputs and self.model.training:  # an IterableDataset's columns are known only now, before generating
+            self._check_columns(list(inputs[0]), "a batch of train_dataset")
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training and "advantages" in out:  # the spread GRPO learns from (their mean is 0 by design)
+            adv = out["advantages"].detach().float()
+            self._metrics["train"]["advantages/abs_mean"].append(float(adv.abs().mean()))
+        if self.aux_on and self.model.training:
+            self._gold = self.gold_batch(inputs[:: self.num_generations])  # each prompt once, not per sample
+        return out
+
+    def gold_batch(self, rows: list[dict]) -> GoldBatch:
+        """The gold solutions of ``rows``, split over the micro-steps of one generation batch, with their counts."""
+        loss, device = self.digit_loss.loss, self.accelerator.device
+        items = [Tokenized(list(r["gold_input_ids"]), list(r["gold_labels"])) for r in rows]
+        steps = self.args.steps_per_generation
+        bounds = [len(items) * k // steps for k in range(steps + 1)]
+        pad = self.processing_class.pad_token_id if self.processing_class.pad_token_id is not None else 0
+        parts, counts = [], None
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi == lo:
+                parts.append(None)
+                continue
+            batch = {k: v.to(device) for k, v in collate(items[lo:hi], pad).items()}
+            parts.append(batch)
+            part_counts = loss.count(batch["labels"][:, 1:])
+            counts = part_counts if counts is None else counts + part_counts
+        return GoldBatch(parts, self._all_ranks(counts))
+
+    def _all_ranks(self, counts):
+        import torch
+
+        if self.accelerator.num_processes == 1:
+            return counts
+        t = torch.tensor(list(counts), dtype=torch.int64, device=self.accelerator.device)
+        t = self.accelerator.reduce(t, reduction="sum")
+        return type(counts)(int(t[0]), int(t[1]))
+
+    # ------------------------------------------------------------------ the loss
+
+    def aux_loss(self, model, batch: dict, counts):
+        """delft's SFT loss of one gold part, normalised by the whole gold batch's ``counts`` (delft.losses)."""
+        import torch
+
+        with last_hidden_states(self.accelerator.unwrap_model(model)) as (captured, head):
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))
+        sums = self.digit_loss.sums(captured["hidden"][:, :-1], head, batch["labels"][:, 1:])
+        return self.digit_loss.loss.combine(sums, counts), sums
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        mu = self.current_mu()
+        if not (self.aux_on and model.training and self._gold is not None):
+            return loss
+        part = self._gold.parts[self._step % self.args.steps_per_generation]
+        if part is not None:
+            aux, sums = self.aux_loss(model, part, self._gold.counts)
+            # DDP averages the ranks' gradients; the aux is normalised over every rank's gold, so scale it back up
+            loss = loss + mu * aux * self.accelerator.num_processes
+            self._log_aux(sums)
+        self._metrics["train"]["aux/mu"].append(mu)
+        return loss
+
+    def _log_aux(self, sums) -> None:
+        """The gold batch's CE and digit term: TRL logs the mean of what a step appends, so each part appends its
+        share times the number of parts, and the mean is the whole batch's value."""
+        counts, parts = self._gold.counts, sum(p is not None for p in self._gold.parts)
+        self._metrics["train"]["aux/ce"].append(parts * float(sums.ce.detach()) / max(1, counts.labels))
+        term = parts * float(sums.term.detach()) / counts.digits if counts.digits else 0.0
+        self._metrics["train"]["aux/digit_term"].append(term)
 
 
 def _pair_text(tokenizer, prompt: Any, completion: Any) -> tuple[Any, str]:

@@ -22,7 +22,7 @@ from typing import Optional
 from delft.losses.misuse import NoDigitWatch, callers_words, check_number_rows, check_sft_options, output_layer
 from delft.losses.modules import DigitLoss
 from delft.models.loading import last_hidden_states  # noqa: F401  (re-exported: integrations.trl uses it)
-from delft.training.digit_options import check_resume, check_resume_mismatch, digit_loss_options, save_settings
+from delft.integrations.digit_options import check_resume, check_resume_mismatch, digit_loss_options, save_settings
 
 HIDDEN_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k", "seq_idx")  # what the forward takes besides the labels
@@ -41,7 +41,7 @@ class DigitLossMixin:
 
     ``digit_loss``: ``{"type": ..., "weight": ..., **options}`` with delft's ``loss:`` recipe keys (type, weight,
     normalisation, place_weights, place_weight_cap, tau), or a type's name; checked by
-    delft.training.digit_options (in the caller's words). The tokenizer is the Trainer's ``processing_class``.
+    delft.integrations.digit_options (in the caller's words). The tokenizer is the Trainer's ``processing_class``.
     Logged beside the Trainer's ``loss``: ``ce`` and ``digit_term`` (each the step's mean, averaged over the
     logged steps) and ``digit_weight``; ``evaluate()`` reports ``eval_ce`` and ``eval_digit_term`` beside
     ``eval_loss`` (averaged over the eval batches as ``eval_loss`` is). Each checkpoint holds the settings in

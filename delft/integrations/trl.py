@@ -22,7 +22,7 @@ from delft.losses.loss import Sums
 from delft.losses.registry import LOSS_TYPES
 from delft.models.loading import last_hidden_states
 from delft.recipe.schema import LossConfig
-from delft.training.digit_options import RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch, digit_loss_options
+from delft.integrations.digit_options import RESUME_MISMATCH, DigitLossValueError, check_resume_mismatch, digit_loss_options
 
 _KEYS = ("type", "weight", "normalisation", "place_weights", "place_weight_cap", "tau")  # DigitSFTConfig's digit_loss_*
 _DEFAULTS = {**{k: LossConfig.model_fields[k].default for k in _KEYS}, "type": "del_prob"}

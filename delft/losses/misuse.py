@@ -1,5 +1,5 @@
-"""Library misuse said plainly, for the trainers that carry delft's losses (delft.integrations, and the GRPO trainer
-delft.training.grpo_trainer): a model without an output layer, a tokenizer that is not the model's, trainer options
+"""Library misuse said plainly, for the trainers that carry delft's losses (delft.integrations, the GRPO trainer
+among them): a model without an output layer, a tokenizer that is not the model's, trainer options
 the digit loss would silently replace, a tokenizer refusal in the caller's own words, and labels without a digit.
 Each is checked when the trainer is built (the labels: over the first optimizer steps), so nothing fails after
 minutes of loading or generation with a bare ``KeyError`` or ``IndexError``.

@@ -295,7 +295,7 @@ def build_trainer(recipe: Recipe, run: Run, s, model, rows: list[dict], steps: i
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
 
-    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.integrations.grpo import DigitGRPOTrainer  # TRL (and torch) at import: loaded once a run builds it
 
     rewards = reward_setup(recipe)
     args = grpo_config(recipe, run.dir, steps, s.device, rewards)

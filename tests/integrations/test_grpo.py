@@ -58,7 +58,7 @@ def test_with_mu_zero_it_is_trls_grpo_trainer(tiny_model_dir, tmp_path):
     import torch
     from trl import GRPOTrainer
 
-    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.integrations.grpo import DigitGRPOTrainer
 
     plain = trainer(GRPOTrainer, tiny_model_dir, tmp_path / "a")
     plain.train()
@@ -81,7 +81,7 @@ def test_with_mu_zero_it_is_trls_grpo_trainer(tiny_model_dir, tmp_path):
 def test_the_auxiliary_term_is_delfts_sft_loss_on_the_gold_batch(tiny_model_dir, tmp_path):
 
     from delft.data.batches import Tokenized, collate
-    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.integrations.grpo import DigitGRPOTrainer
     from delft.losses.modules import DigitLoss
 
     t = trainer(DigitGRPOTrainer, tiny_model_dir, tmp_path, aux_mu=1.0,
@@ -100,7 +100,7 @@ def test_the_auxiliary_term_is_delfts_sft_loss_on_the_gold_batch(tiny_model_dir,
 
 
 def test_mu_decays_linearly_over_the_run():
-    from delft.training.grpo_trainer import mu_at
+    from delft.integrations.grpo import mu_at
 
     assert mu_at(0, 10, 0.9, 0.05) == 0.9 and mu_at(9, 10, 0.9, 0.05) == pytest.approx(0.05)
     assert mu_at(5, 10, 0.3, None) == 0.3
@@ -118,7 +118,7 @@ def test_a_bad_auxiliary_weight_or_digit_loss_is_refused_before_the_model_loads(
     """The model is a path that does not exist: the refusal comes before TRL would try to load it."""
     from trl import GRPOConfig
 
-    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.integrations.grpo import DigitGRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], bf16=False, use_cpu=True)
     with pytest.raises((ValueError, TypeError)) as err:

@@ -12,7 +12,7 @@ from test_hf import EIGHT, collate, encode
 from test_trl import ROWS
 from tiny import build_model, build_tokenizer
 
-from delft.training.digit_options import SETTINGS_FILE, DigitLossValueError
+from delft.integrations.digit_options import SETTINGS_FILE, DigitLossValueError
 
 SPEC = {"type": "del", "weight": 0.5}
 COMMON = {"per_device_train_batch_size": 2, "max_steps": 3, "logging_steps": 1, "save_strategy": "steps",

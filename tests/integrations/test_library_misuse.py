@@ -243,7 +243,7 @@ def grpo_trainer(model_dir, tmp_path, dataset, rewards=None, **extra):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from delft.training.grpo_trainer import DigitGRPOTrainer
+    from delft.integrations.grpo import DigitGRPOTrainer
     from delft.numbers.rewards import exact_reward
 
     def varied(completions, **kwargs):  # a random-init model is never right: a reward that varies
