@@ -312,6 +312,46 @@ def test_a_disk_that_fills_while_training_ends_in_one_paragraph(tmp_path, tiny_m
     assert all(json.loads(ln) for ln in (disk / "run" / METRICS).read_text().splitlines())
 
 
+# A GRPO stage as small as the SFT run of recipe_file: two steps, two samples of four tokens per prompt.
+GRPO_SECTIONS = {"train": {"stage": "grpo", "batch_size": 2, "grad_accum": 1},
+                 "grpo": {"num_generations": 2, "max_completion_length": 4}}
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_at_the_final_save_ends_in_the_same_paragraph_for_each_stage(tmp_path, tiny_model_dir,
+                                                                                      small_disk, monkeypatch):
+    """The disk fills just as the final model is written, after its free-space check passed: the SFT loop and TRL's
+    real GRPO trainer end in the same one paragraph, leave no half-written final files, and once space is freed
+    the same command finishes the run."""
+    pytest.importorskip("trl")
+    from rich.console import Console
+
+    from delft.recipe.files import load_recipe
+    from delft.training import run as lifecycle
+    from delft.training.command import run_training
+
+    checked = lifecycle.check_free_space
+    said = {}
+    for stage, sections in {"sft": {}, "grpo": GRPO_SECTIONS}.items():
+        disk = small_disk("64m")
+        monkeypatch.setattr(lifecycle, "check_free_space", lambda *a, disk=disk: (checked(*a), fill(disk)))
+        train = {"max_steps": 2, "save_steps": 1, **sections.get("train", {})}
+        path = recipe_file(tmp_path, tiny_model_dir, name=stage, **{**sections, "train": train},
+                           output={"dir": str(disk / "run")})
+        with pytest.raises(UserError) as full:
+            run_training(load_recipe(path), console=Console(quiet=True))
+        said[stage] = str(full.value).replace(str(disk), "DISK")
+        run = disk / "run"
+        assert not (run / ".final-tmp").exists() and not (run / "adapter_model.safetensors").exists()
+        assert read_info(run)["status"] == "running" and latest_checkpoint(run) is not None
+        monkeypatch.undo()
+        (disk / "filler").unlink()
+        run_training(load_recipe(path), console=Console(quiet=True))
+        assert read_info(run)["status"] == "completed" and (run / "adapter_model.safetensors").is_file()
+    assert said["sft"] == said["grpo"], said
+    assert "disk is full" in said["sft"] and "Free some space" in said["sft"] and "\n" not in said["sft"]
+
+
 @pytest.mark.parametrize("size", ["40k", "76k", "200k"])  # refused before, full while writing, room enough
 def test_export_on_a_small_disk_is_one_paragraph_and_leaves_nothing(tmp_path, tiny_model_dir, small_disk, size):
     """The merged model (52 KB) and its tokenizer on disks that run out in the weights, the tokenizer's Rust

@@ -163,7 +163,7 @@ class RunDirCallback:
     def on_step_end(self, args, state, control, **kwargs):
         if self.run.stops.received is not None:
             control.should_save, control.should_training_stop = True, True
-        if state.global_step >= state.max_steps:
+        if state.global_step >= state.max_steps:  # transformers logs on multiples of logging_steps alone
             control.should_log = True
         return control
 

@@ -1,5 +1,6 @@
 """delft train with train.stage grpo on a tiny random-init model: the run directory contract (files, metrics,
-eval on the result), exact resume after SIGTERM, continuing an SFT adapter, and refusals."""
+eval on the result, the run info's keys as SFT writes them, the last step logged), exact resume after SIGTERM,
+continuing an SFT adapter, and refusals."""
 
 from __future__ import annotations
 
@@ -56,6 +57,33 @@ def test_a_grpo_run_keeps_the_run_directory_contract(tmp_path, tiny_model_dir):
     results = run_eval(runs=[str(run)], model=str(tiny_model_dir), data="synthetic", limit=3, include_base=False,
                        overrides=["eval.max_new_tokens=4", "eval.bootstrap=10"], console=Console(quiet=True))
     assert results[0].metrics["n"] == 3  # delft eval takes a GRPO run as it takes an SFT run
+
+
+@pytest.fixture(scope="module")
+def both_stages(tmp_path_factory, tiny_model_dir):
+    """A finished SFT run and a finished GRPO run of the same model and data: 2 steps, logging_steps 5."""
+    root = tmp_path_factory.mktemp("stages")
+    short = {"max_steps": 2, "logging_steps": 5}
+    sft = run_training(load_recipe(recipe_file(root, tiny_model_dir, "sft", train=short)), console=Console(quiet=True))
+    grpo = run_training(load_recipe(grpo_recipe(root, tiny_model_dir, "grpo", train=short)), console=Console(quiet=True))
+    return sft, grpo
+
+
+@pytest.mark.slow
+def test_both_stages_write_the_same_run_info_keys(both_stages):
+    sft, grpo = (json.loads((run / "delft_run.json").read_text()) for run in both_stages)
+    assert sft.keys() == grpo.keys(), set(sft) ^ set(grpo)
+    assert (sft["stage"], grpo["stage"]) == ("sft", "grpo")
+    assert sft["status"] == grpo["status"] == "completed" and sft["step"] == grpo["step"] == 2
+    assert sft["architecture"] == grpo["architecture"] and sft["base_model"] == grpo["base_model"]
+
+
+@pytest.mark.slow
+def test_a_run_logs_its_last_step_when_max_steps_is_not_a_multiple_of_logging_steps(both_stages):
+    for run in both_stages:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if "loss" in r] == [2], run.name
+    assert (both_stages[1] / "loss_curve.png").is_file()
 
 
 def sigterm_after(step: int, monkeypatch):
