@@ -251,27 +251,11 @@ def export(
         help="Run Python code shipped with the base model or run (auto_map). Never read from the run's files."),
 ):
     """Merge an adapter into a standalone model and verify the merge (optionally GGUF, checked in llama.cpp)."""
-    from delft.export.checks import remove_export_leftovers
-    from delft.export.gguf import export_gguf, prepare_gguf
-    from delft.export.merge import run_export, verified_export
-    from delft.outputs import said_removed
+    from delft.export.command import run_export
 
-    gone = remove_export_leftovers(out)  # what an export killed with SIGKILL left beside (or in) --out
-    if gone:
-        console.print(f"[yellow]{said_removed(gone)}[/]", highlight=False)
-    resumed = None if force or not (gguf or gguf_lora) else verified_export(run, out, dtype)
-    plan = prepare_gguf(run, out, gguf, gguf_lora, gguf_check, match_training, force, resume=resumed is not None)
-    if plan is not None and resumed is not None:
-        console.print(f"[bold]resuming[/] {out} holds this run's verified merged model: only the GGUF phase runs "
-                      "again", highlight=False)
-        export_gguf(plan, resumed, console, resume=True)
-        return
-    result = run_export(run_dir=run, out=out, dtype=dtype, match_training=match_training, tolerance=tolerance,
-                        device=device, force=force, console=console,
-                        gguf_bytes_per_param=plan.bytes_per_param if plan is not None else 0.0,
-                        trust_remote_code=trust_remote_code)
-    if plan is not None:
-        export_gguf(plan, result, console)
+    run_export(run, out, dtype=dtype, match_training=match_training, tolerance=tolerance, device=device, force=force,
+               gguf=gguf, gguf_lora=gguf_lora, gguf_check=gguf_check, trust_remote_code=trust_remote_code,
+               console=console)
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""``delft export``: merge a run's LoRA adapter into its base model, write a standalone model, verify it.
+"""``delft export``'s merge: a run's LoRA adapter merged into its base model, written as a standalone model, verified
+(the command's whole sequence, GGUF included, is delft.export.command).
 
 The base is always loaded unquantised, in fp32, and the adapter merged there (merging into a 4-bit model
 degrades quality: transformers#31293, peft#2321). For QLoRA runs there are two choices of weights to merge
@@ -343,10 +344,10 @@ def _write_reports(tmp: Path, result: ExportResult, info: dict, base: "_Base", r
     follow_umask(tmp)
 
 
-def run_export(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
-               tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
-               console: Optional[Console] = None, max_shard_size: str = "2GB",
-               gguf_bytes_per_param: float = 0.0, trust_remote_code: bool = False) -> ExportResult:
+def write_merged_model(run_dir, out, dtype: str = "bfloat16", match_training: bool = False,
+                       tolerance: Optional[float] = None, device: str = "cpu", force: bool = False,
+                       console: Optional[Console] = None, max_shard_size: str = "2GB",
+                       gguf_bytes_per_param: float = 0.0, trust_remote_code: bool = False) -> ExportResult:
     """Merge the adapter in ``run_dir`` into its base model and write a standalone model to ``out``.
 
     Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -

@@ -21,7 +21,7 @@ from tiny import save_tiny
 from delft.errors import UserError
 from delft.rundir import EXPORT_INFO
 from delft.export.report import MARKER
-from delft.export.merge import _describe_merge, run_export
+from delft.export.merge import _describe_merge, write_merged_model
 from delft.export.nf4 import dequantize_nf4, nf4_roundtrip, quantized_linear_names
 from delft.export.report import eval_headline
 
@@ -95,7 +95,7 @@ def test_fp32_export_equals_base_plus_adapter(run_dir, reference, tiny_model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "merged" / "fp32"
-    result = run_export(run_dir, out, dtype="float32", max_shard_size="40KB")
+    result = write_merged_model(run_dir, out, dtype="float32", max_shard_size="40KB")
     assert result.passed and result.max_abs_diff <= 1e-4 and result.merge_abs_diff <= 1e-4
     assert result.adapter_effect > 0.1 and result.tensors_checked > 0 and not result.tensors_mismatched
 
@@ -137,7 +137,7 @@ def test_bf16_default_via_cli(run_dir, reference, tmp_path):
 
 def test_match_training_merges_into_nf4_roundtrip(run_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "nf4"
-    result = run_export(run_dir, out, dtype="float32", match_training=True)
+    result = write_merged_model(run_dir, out, dtype="float32", match_training=True)
     assert result.passed and result.merge == "nf4 round-trip"
     assert "not quantised" in (out / "README.md").read_text()
 
@@ -262,7 +262,7 @@ def test_refuses_when_disk_is_short(run_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(export_checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(UserError, match="not enough free disk space"):
-        run_export(run_dir, tmp_path / "o")
+        write_merged_model(run_dir, tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
@@ -274,7 +274,7 @@ def test_interrupted_export_leaves_nothing(run_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "_check_files", boom)
     with pytest.raises(KeyboardInterrupt):
-        run_export(run_dir, tmp_path / "o")
+        write_merged_model(run_dir, tmp_path / "o")
     assert list(tmp_path.iterdir()) == []
 
 
