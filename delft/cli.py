@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -153,18 +152,9 @@ def train(
                                        help="Allow more --nproc processes than GPUs (or CPU cores without GPUs)."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
-    from delft.recipe.files import load_recipe
-    from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
-    from delft.training.command import run_training
+    from delft.training.command import train_command
 
-    cfg = load_recipe(recipe, set_)
-    if nproc > 1:
-        check_nproc(nproc, cfg.model.device, oversubscribe)
-        relaunch(nproc, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]))
-    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
-    if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
-        again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"
-    run_training(cfg, resume=resume, force=force, console=console, resume_command=again)
+    train_command(recipe, set_, resume, force, nproc, oversubscribe, console)
 
 
 @app.command("eval")

@@ -18,7 +18,7 @@ from delft.recipe.files import load_recipe
 from delft.rundir import read_info
 from delft.training.early_stopping import EarlyStopping
 from delft.training.precheck import busy_machine
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 FAST = ["--set", "eval.max_new_tokens=2", "--set", "eval.batch_size=2", "--set", "eval.bootstrap=10"]
 

@@ -14,7 +14,7 @@ from helpers import adapter_weights, interrupt_on_step, lora_run, recipe_file, r
 
 from delft.recipe.files import load_recipe
 from delft.rundir import RECIPE, RUN_INFO, STATE_FILE, latest_checkpoint
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 class Planted:

@@ -328,7 +328,7 @@ def test_a_disk_that_fills_at_the_final_save_ends_in_the_same_paragraph_for_each
 
     from delft.recipe.files import load_recipe
     from delft.training import run as lifecycle
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     checked = lifecycle.check_free_space
     said = {}

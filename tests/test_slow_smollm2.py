@@ -16,7 +16,7 @@ def test_quickstart_trains_real_smollm2_and_adapter_loads_with_peft(tmp_path):
 
     from delft.models.sources import ensure_smollm2
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     recipe = load_recipe(QUICKSTART, ["train.max_steps=3", "train.eval_steps=3", f"output.dir={tmp_path / 'run'}",
                                       "data.synthetic.n=64"])
@@ -49,7 +49,7 @@ def _weights(directory):
 def full_run(tmp_path_factory):
     """SmolLM2-135M fully fine-tuned for 4 steps of 2 micro-batches (grad_accum 2), in one process."""
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     root = tmp_path_factory.mktemp("full")
     return run_training(load_recipe(QUICKSTART, [*FULL, "train.grad_accum=2", f"output.dir={root / 'one'}"]))
@@ -66,7 +66,7 @@ def test_full_finetuning_of_real_smollm2_changes_every_weight_resumes_exactly_an
 
     from delft.models.sources import ensure_smollm2
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     base, tuned = _weights(ensure_smollm2()), _weights(full_run)
     assert base.keys() == tuned.keys() and len(base) > 200

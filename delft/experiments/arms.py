@@ -26,7 +26,7 @@ from delft.recipe.keys import flat_keys, recipe_differences
 from delft.recipe.schema import Recipe
 from delft.rundir import METRICS, RECIPE, has_files, is_finished_run, is_run_dir, latest_checkpoint, read_info
 from delft.training.resume import BOOKKEEPING_KEYS
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 REFERENCE_LOSS = "ce"  # differences are reported against the plain-CE run when there is one

@@ -1,40 +1,28 @@
-"""``delft train``: the stages it runs (``STAGES``, one per value of train.stage) and ``run_training``, which checks
-what is cheap to check and hands the recipe's stage to the run lifecycle every stage shares (delft.training.run).
-"""
+"""``delft train RECIPE``: the recipe read with its ``--set`` overrides, ``--nproc`` relaunched under torchrun, and the
+recipe's stage trained (delft.training.stages) with the command that resumes it spelled for the user."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 
-from delft.recipe.schema import Recipe
-from delft.training import distributed as dist
-from delft.training import grpo, sft
-from delft.training.precheck import check_before_loading, note_busy_machine
-from delft.training.run import Stage, run_stage
+from delft.recipe.files import load_recipe
+from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
+from delft.training.stages import run_training
 
 
-def _no_checks(recipe: Recipe) -> None:
-    """SFT refuses nothing beyond what every stage checks before loading (delft.training.precheck)."""
-
-
-STAGES = {
-    "sft": Stage(check=_no_checks, load=sft.load),
-    "grpo": Stage(check=grpo.check, load=grpo.load, signals_wait=True),  # TRL's loop: stopped at a step's end
-}
-
-
-def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = False,
-                 console: Optional[Console] = None, resume_command: str = "delft train RECIPE.yaml") -> Path:
-    """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
-    or, with ``force``, a replaced earlier run. Returns the run directory."""
-    stage = STAGES[recipe.train.stage]
-    check_before_loading(recipe)  # what would otherwise be refused only once the model has loaded
-    if dist.is_main():
-        note_busy_machine(recipe.model.device, console or Console())
-    stage.check(recipe)
-    dist.start(recipe.model.device)
-    console = dist.rank_console(console or Console())
-    return run_stage(recipe, stage, resume, force, console, resume_command)
+def train_command(recipe: Path, overrides: list[str], resume: Optional[bool], force: bool, nproc: int,
+                  oversubscribe: bool, console: Console) -> Path:
+    """Train the recipe at ``recipe``; with ``nproc`` > 1 this process is replaced by torchrun starting that many."""
+    cfg = load_recipe(recipe, overrides)
+    if nproc > 1:
+        check_nproc(nproc, cfg.model.device, oversubscribe)
+        relaunch(nproc, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]))
+    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
+    if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
+        again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"
+    return run_training(cfg, resume=resume, force=force, console=console, resume_command=again)

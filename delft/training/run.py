@@ -1,4 +1,4 @@
-"""The run lifecycle every stage of ``delft train`` goes through (delft.training.command.STAGES): the run lock, a
+"""The run lifecycle every stage of ``delft train`` goes through (delft.training.stages.STAGES): the run lock, a
 new, resumed or replaced (--force) run directory (delft.training.resume), ``recipe.yaml`` and ``delft_run.json``
 (written here alone, the same keys for every stage: rundir.start_info), the ``metrics.jsonl`` lines, the final
 model published whole (the free space checked first, a full disk said in one paragraph), and the exit of a run

@@ -68,7 +68,7 @@ def test_eval_scores_with_delft_and_the_task_and_keeps_off_the_training_seed(dig
 
 
 def test_training_on_generated_problems(tmp_path, tiny_model_dir):
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     path = recipe_file(tmp_path, tiny_model_dir, data={"source": "reasoning_gym", "format": "reasoning_gym",
                                                        "reasoning_gym": {"task": "chain_sum", "n": 40}, "max_length": 128},

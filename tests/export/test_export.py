@@ -33,7 +33,7 @@ EVAL_JSON = {"models": [{"name": "base", "metrics": {"n": 64, "exact_match": 0.2
 @pytest.fixture(scope="module")
 def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     root = tmp_path_factory.mktemp("export")
     recipe = {"model": {"name": str(tiny_model_dir), "device": "cpu"}, "quantization": {"mode": "none"},

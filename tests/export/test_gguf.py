@@ -156,7 +156,7 @@ def test_a_read_only_cache_is_refused_before_the_converter_is_fetched(tmp_path, 
 def smol_run(tmp_path_factory) -> Path:
     """SmolLM2-135M trained two steps (the packaged quickstart recipe, shortened)."""
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     root = tmp_path_factory.mktemp("gguf")
     quickstart = REPO / "recipes" / "quickstart.yaml"

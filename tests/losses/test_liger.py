@@ -17,7 +17,7 @@ from delft.losses.heads import resolve_fused
 from delft.losses.loss import Loss
 from delft.numbers.tokens import NumberVocab
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 @pytest.fixture

@@ -318,7 +318,7 @@ def test_logged_digit_statistics_equal_a_direct_computation(digits):
 
 @pytest.mark.parametrize("kind", VARIANTS)
 def test_variants_train_and_log_digit_statistics(tmp_path, tiny_model_dir, kind):
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, loss={"type": kind},
                                                train={"max_steps": 2, "logging_steps": 1})))

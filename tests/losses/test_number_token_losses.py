@@ -183,7 +183,7 @@ def llama3_run(llama3_model_dir, tmp_path_factory):
     from helpers import recipe_file
 
     from delft.recipe.files import load_recipe
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     tmp = tmp_path_factory.mktemp("llama3run")
     data = tmp / "numbers.jsonl"

@@ -152,7 +152,7 @@ LOGGED = ("loss", "ce", "term", "digit_logit", "p_digit", "val_loss", "val_ce", 
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, launch, normalisation):
     from delft.recipe.files import load_recipe
     from delft.rundir import read_info
-    from delft.training.command import run_training
+    from delft.training.stages import run_training
 
     common = {"max_steps": 4, "save_steps": 2, "eval_steps": 2}
     loss = {"type": "del_prob", "weight": 0.5, "normalisation": normalisation}

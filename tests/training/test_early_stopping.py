@@ -12,7 +12,7 @@ from delft.errors import UserError
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info, snapshot_path
 from delft.training.early_stopping import EarlyStopping
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 # validation losses at steps 1, 2, 3, ...: the best is step 5 (0.49, the lowest); it is not lower than step 3's 0.5
 # by more than min_delta 0.05, so patience keeps counting from step 3 and the run stops at step 6

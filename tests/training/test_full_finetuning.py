@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
 from delft.rundir import is_finished_run, latest_checkpoint, read_info, snapshot_path
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 FULL = {"finetuning": "full", "learning_rate": 3e-3}
 

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 pytest.importorskip("trl")
 

@@ -19,7 +19,7 @@ import delft.training.step as train_step
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
 from delft.rundir import CHECKPOINTS, METRICS, RUN_INFO, checkpoints, latest_checkpoint, read_info
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 def write(tmp_path: Path, text, name="r.yaml") -> Path:

@@ -9,7 +9,7 @@ from rich.console import Console
 from delft.errors import UserError
 from delft.evaluation.command import run_eval
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 def test_accuracy_rows_at_their_steps_equal_eval(tmp_path, digit_model_path):

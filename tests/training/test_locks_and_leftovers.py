@@ -14,7 +14,7 @@ from helpers import adapter_weights, interrupt_on_step, recipe_file, run_cli
 
 from delft.recipe.files import load_recipe
 from delft.rundir import CHECKPOINTS, LOCK_FILE, METRICS, RECIPE, RUN_INFO, SNAPSHOTS, read_info
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 def logged_steps(run: Path) -> int:

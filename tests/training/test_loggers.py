@@ -7,7 +7,7 @@ import pytest
 from helpers import recipe_file, run_cli
 
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 TRAIN = {"max_steps": 4, "logging_steps": 1, "eval_steps": 2}
 

@@ -8,7 +8,7 @@ import torch
 from helpers import interrupt_on_step, recipe_file, run_cli
 
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 

@@ -9,7 +9,7 @@ from helpers import adapter_weights, interrupt_on_step, recipe_file, run_cli, wr
 
 from delft.errors import UserError
 from delft.recipe.files import load_recipe
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 def lrs(run) -> list[float]:

@@ -9,7 +9,7 @@ from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
 from delft.recipe.files import load_recipe
 from delft.rundir import latest_checkpoint
-from delft.training.command import run_training
+from delft.training.stages import run_training
 
 
 @pytest.mark.slow
