@@ -31,6 +31,7 @@ from delft.data.batches import Tokenized, collate
 from delft.errors import UserError
 from delft.integrations.digit_options import check_mu, digit_loss_options
 from delft.losses.misuse import callers_words, check_number_rows, output_layer
+from delft.losses.modules import DigitLoss
 from delft.models.loading import last_hidden_states
 from delft.numbers.rewards import answer_column_of, digit_reward, exact_reward
 from delft.numbers.tokens import IGNORE
@@ -75,8 +76,6 @@ class DigitGRPOTrainer(_grpo_trainer()):
         check_mu(aux_mu=aux_mu, aux_mu_end=aux_mu_end)  # before the Trainer loads anything
         opts = digit_loss_options(digit_loss, default_type="ce")
         super().__init__(*args, **kwargs)
-        from delft.losses.modules import DigitLoss  # torch at import: loaded with the trainer, not with this module
-
         with callers_words('pass digit_loss={"type": "ce"} to DigitGRPOTrainer (CE alone)'):
             self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
         self.aux_mu, self.aux_mu_end = float(aux_mu), aux_mu_end

@@ -20,7 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from delft.errors import UserError
+from delft import signals
+from delft.children import on_parent_death
+from delft.errors import UserError, VerificationError
+from delft.models.loading import resolve_device
 
 TIMEOUT_ENV = "DELFT_DIST_TIMEOUT"
 
@@ -59,8 +62,6 @@ def start(device_pref: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from delft.models.loading import resolve_device
-
     if dist.is_initialized():
         return
     _die_with_the_launcher()
@@ -79,8 +80,6 @@ def _die_with_the_launcher() -> None:
     """On Linux, have the kernel kill this worker when its parent (the launcher's agent) dies, even by SIGKILL,
     so a killed launcher never leaves workers training on. The last checkpoint is intact (written whole)."""
     import signal
-
-    from delft.children import on_parent_death
 
     if not on_parent_death(signal.SIGKILL):
         return
@@ -271,8 +270,6 @@ def relaunch(nproc: int, argv: list[str]) -> None:
 def _raise_reported(report: Path) -> None:
     import json
 
-    from delft.errors import VerificationError
-
     error = json.loads(report.read_text())
     if error["exit_code"] == 2:
         raise UserError(error["message"])
@@ -285,8 +282,6 @@ def _wait(proc) -> str:
     """torchrun's stderr once it has exited; Ctrl-C while waiting keeps waiting (the workers are saving). A
     SIGTERM sent to this process alone is passed on (the terminal sends Ctrl-C to all of them itself)."""
     import signal
-
-    from delft import signals
 
     while True:
         try:
@@ -312,8 +307,6 @@ def check_nproc(nproc: int, device_pref: str, oversubscribe: bool = False) -> No
     """Refuse more processes than GPUs (or than CPU cores where training runs on the CPU), unless asked for:
     extra processes share a device, which is no data parallelism and can exhaust memory."""
     import torch
-
-    from delft.models.loading import resolve_device
 
     on_gpu = resolve_device(device_pref) == "cuda"
     devices = torch.cuda.device_count() if on_gpu else (os.cpu_count() or 1)

@@ -14,13 +14,15 @@ from typing import Sequence
 
 from rich.console import Console
 
+from delft.data.prompts import render_prompt, use_chat_template
+from delft.evaluation.generation import greedy, stop_strings
 from delft.evaluation.metrics import METRICS, summarize
+from delft.evaluation.problems import disjoint_from_training, load_problems
+from delft.numbers.answers import extract_answer, score
 
 
 def heldout_data(recipe, n: int):
     """The eval set's DataConfig limited to its first ``n`` problems (as ``delft eval --limit n`` resolves it)."""
-    from delft.evaluation.problems import disjoint_from_training
-
     data = recipe.eval_data()
     limit = min(n, data.limit) if data.limit else n
     return disjoint_from_training(data.model_copy(update={"limit": limit, "val_size": 0}), recipe.data)
@@ -40,10 +42,6 @@ class HeldOut:
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
-        from delft.data.prompts import render_prompt, use_chat_template
-        from delft.evaluation.generation import stop_strings
-        from delft.evaluation.problems import load_problems
-
         data = heldout_data(recipe, recipe.train.accuracy_examples)
         problems, _ = load_problems(data, console)
         chat = use_chat_template(tokenizer, data)
@@ -58,9 +56,6 @@ class HeldOut:
         Generation needs eval mode (no LoRA dropout; HF turns the KV cache off while gradient checkpointing
         trains) and ``use_cache`` on, which training turns off.
         """
-        from delft.evaluation.generation import greedy
-        from delft.numbers.answers import extract_answer, score
-
         was_training, use_cache = model.training, getattr(model.config, "use_cache", None)
         model.eval()
         model.config.use_cache = True

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
+from delft.recipe.keys import flat_keys
 
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}  # name -> (module, pip package)
@@ -74,8 +75,6 @@ class Reporters:
                 mlflow.set_tracking_uri((self.run_dir / MLFLOW_DIR).resolve().as_uri())
             self.mlflow = mlflow
             mlflow.start_run(run_name=name)
-            from delft.recipe.keys import flat_keys
-
             mlflow.log_params({k: str(v)[:500] for k, v in flat_keys(config).items()})
 
     def log(self, row: dict) -> None:

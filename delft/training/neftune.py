@@ -6,6 +6,8 @@ the clean embeddings; the noise comes from torch's RNG, which delft seeds per st
 
 from __future__ import annotations
 
+from delft.models.loading import plain_model
+
 
 def neftune_hook(alpha: float):
     def hook(module, args, output):
@@ -21,6 +23,4 @@ def neftune_hook(alpha: float):
 
 def add_neftune(model, alpha: float):
     """Put the noise on ``model``'s input embeddings (through a peft wrapper); returns the hook's handle."""
-    from delft.models.loading import plain_model
-
     return plain_model(model).get_input_embeddings().register_forward_hook(neftune_hook(alpha))

@@ -11,6 +11,7 @@ from typing import Optional
 from rich.console import Console
 
 from delft.recipe.schema import Recipe
+from delft.training.setup import setup
 
 
 @dataclass
@@ -23,8 +24,6 @@ class TokenView:
 
 def preview_examples(recipe: Recipe, n: int) -> list[list[TokenView]]:
     """The first ``n`` training examples as the trainer sees them (no weights are loaded)."""
-    from delft.training.setup import setup
-
     s = setup(recipe)
     vocab = s.loss.numbers
     out = []

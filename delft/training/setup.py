@@ -8,7 +8,23 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from delft.data.pipeline import build_datasets
 from delft.errors import UserError
+from delft.losses.loss import Loss
+from delft.losses.registry import FUSED_CE, GLOBAL
+from delft.models.loading import (
+    apply_liger_layers,
+    apply_lora,
+    continue_lora,
+    load_model,
+    load_tokenizer,
+    make_trainable,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
+from delft.models.scratch import recipe_model_ref
+from delft.numbers.tokens import NumberVocab
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
 
@@ -29,12 +45,6 @@ class Setup:
 
 
 def setup(recipe: Recipe) -> Setup:
-    from delft.data.pipeline import build_datasets
-    from delft.losses.loss import Loss
-    from delft.models.loading import load_tokenizer, resolve_device, resolve_quantization
-    from delft.models.scratch import recipe_model_ref
-    from delft.numbers.tokens import NumberVocab
-
     device = resolve_device(recipe.model.device)
     quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning)
     ref = recipe_model_ref(recipe)
@@ -57,9 +67,6 @@ def build_model(s: Setup, console: Console):
     "rope"])."""
     import torch
 
-    from delft.losses.registry import FUSED_CE
-    from delft.models.loading import apply_liger_layers, apply_lora, load_model, make_trainable, resolve_dtype
-
     r = s.recipe
     dtype = resolve_dtype(r.model.dtype, s.device)
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
@@ -71,8 +78,6 @@ def build_model(s: Setup, console: Console):
     if r.train.finetuning == "full":
         model = make_trainable(model, r.train.gradient_checkpointing)
     elif r.model.adapter:
-        from delft.models.loading import continue_lora
-
         model = continue_lora(model, r.model.adapter, r.train.gradient_checkpointing, r.model.name)
     else:
         model = apply_lora(model, r.lora, r.train.gradient_checkpointing, r.quantization.kbit_upcast)
@@ -147,8 +152,6 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss
     term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
-    from delft.losses.registry import GLOBAL
-
     how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
            f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")
     console.print(f"[bold]loss[/] CE + {term} ({how})")

@@ -4,6 +4,9 @@ micro-batches' backward passes normalised by them; and the validation loss with 
 
 from __future__ import annotations
 
+from delft.data.batches import collate
+from delft.losses.loss import Counts, Sums
+from delft.models.loading import decoder_and_head
 from delft.training import distributed as dist
 
 
@@ -14,8 +17,6 @@ def targets(batch: dict):
 
 def forward_sums(model, batch: dict, loss):
     """Hidden states from the decoder, then ``loss.sums`` (CE and digit-term sums, see delft.losses)."""
-    from delft.models.loading import decoder_and_head
-
     decoder, head = decoder_and_head(model)
     kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
     hidden = decoder(input_ids=batch["input_ids"], use_cache=False, **kwargs).last_hidden_state
@@ -25,8 +26,6 @@ def forward_sums(model, batch: dict, loss):
 def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
     """Backward over the micro-batches, normalised by the whole optimizer batch's counts; returns the step's
     loss, CE and term (``Loss.means``), its real tokens and digit labels."""
-    from delft.losses.loss import Counts, Sums
-
     counts = dist.all_reduce_counts(sum((loss.count(targets(b)) for b in batches), Counts(0, 0)))
     total = Sums(0.0, 0.0, Counts(0, 0))
     for b in batches:
@@ -41,9 +40,6 @@ def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
 def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -> dict:
     """Validation loss, CE and term, each normalised over the whole validation set."""
     import torch
-
-    from delft.data.batches import collate
-    from delft.losses.loss import Counts, Sums
 
     model.eval()
     total = Sums(0.0, 0.0, Counts(0, 0))
