@@ -154,6 +154,43 @@ def test_each_name_is_imported_from_the_module_that_defines_it():
     assert not through, "\n".join(through)
 
 
+# The two lazy boundaries: the CLI imports each command's module when that command runs, and the recipe schema
+# (which the CLI and `delft recipe check` load) reaches heavier modules only when a recipe is validated; both so
+# that `delft --help` and a recipe check load no torch.
+LAZY_BOUNDARIES = {"delft.cli", "delft.recipe.schema"}
+# Optional libraries a delft module may bring with it: a module whose import loads one of these is imported where
+# it is used, so nothing else pays for a library a run may not need.
+OPTIONAL_LIBRARIES = ("trl", "llama_cpp", "reasoning_gym", "liger_kernel", "axolotl", "wandb", "mlflow", "vllm")
+
+
+def imports_inside_functions() -> list[tuple[str, int, str]]:
+    """(module, line, imported delft module) for every delft import below a module's top level."""
+    out = []
+    for m, tree in modules().items():
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if id(node) in top or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            out += [(m, node.lineno, n) for n in names if n.split(".")[0] == "delft"]
+    return out
+
+
+def loads_an_optional_library(module: str) -> bool:
+    code = f"import sys, {module}; print(sorted(set(sys.modules) & set({OPTIONAL_LIBRARIES!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return out.stdout.strip() != "[]"
+
+
+def test_delfts_own_imports_sit_at_the_top_of_each_file():
+    """A file's first lines say what it stands on: a delft import inside a function is allowed only across the lazy
+    boundaries, or of a module that brings an optional library with it."""
+    inside = [(m, line, target) for m, line, target in imports_inside_functions() if m not in LAZY_BOUNDARIES]
+    heavy = {t: loads_an_optional_library(t) for t in {t for _, _, t in inside}}
+    wrong = [f"{m}:{line} imports {target} inside a function" for m, line, target in inside if not heavy[target]]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_schema_and_the_cli_load_no_torch():
     code = ("import sys, delft.cli, delft.recipe.schema, delft.recipe.files, delft.recipe.keys, delft.planning.command, delft.losses.registry, delft.numbers.digits; "
             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.evaluation.metrics import EXACT_MATCH, METRICS, PASS_1, SAMPLING, differences, flags, paired_difference
+from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.problems import (
     BOOTSTRAP_SEED,
     Problem,
@@ -25,9 +26,12 @@ from delft.evaluation.problems import (
 )
 from delft.evaluation.report import print_teacher, render_table, to_json, write_plot
 from delft.evaluation.results import ModelResult
-from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.runs import check_backend, check_runs, resolve_settings
 from delft.evaluation.sampling import per_problem
+from delft.evaluation.teacher_forced import teacher_plot_path, write_teacher_plot
+from delft.models.loading import load_tokenizer
+from delft.models.sources import resolve_model
+from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
 
 
@@ -43,10 +47,6 @@ def column_names(runs: Sequence[str], include_base: bool) -> list[str]:
 def check_teacher_tokenizer(base: str) -> None:
     """--teacher-forced needs number tokens (single digits or Llama-3's 1-3 digit tokens): say so before any
     model answers."""
-    from delft.models.loading import load_tokenizer
-    from delft.models.sources import resolve_model
-    from delft.numbers.tokens import NumberVocab
-
     NumberVocab.from_tokenizer(load_tokenizer(resolve_model(base).path), purpose="--teacher-forced")
 
 
@@ -137,8 +137,6 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         write_plot(results, Path(plot), title)
         console.print(f"[green]wrote[/] {plot}")
         if teacher_forced:
-            from delft.evaluation.teacher_forced import teacher_plot_path, write_teacher_plot
-
             second = teacher_plot_path(Path(plot))
             write_teacher_plot([r.name for r in results], [r.teacher_metrics for r in results], second,
                                f"teacher-forced on the gold completions: {title}")

@@ -20,8 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from delft import children
+from delft.children import describe_exit
+from delft.data.batches import prompt_ids
 from delft.errors import UserError
-from delft.models.sources import check_gguf_magic
+from delft.evaluation.results import eval_prompts, scored_result
+from delft.models.loading import load_tokenizer
+from delft.models.sources import check_gguf_magic, resolve_model
+from delft.numbers.answers import cut_at_stop
 
 GGUF_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install "delft-digits[gguf]"'
 CHILD = [sys.executable, "-m", "delft.evaluation.gguf_backend"]  # tests put a stand-in that crashes
@@ -58,18 +64,12 @@ def gguf_tokenizer(path: Path, base: Optional[str]):
             raise UserError(f"no tokenizer for {path.name}: none beside it and transformers cannot read its own",
                             "delft eval", "Put the model's tokenizer files beside the GGUF (delft export does), "
                             "or pass --model with the base model.") from None
-        from delft.models.loading import load_tokenizer
-        from delft.models.sources import resolve_model
-
         return load_tokenizer(resolve_model(base).path)
 
 
 def evaluate_gguf(name: str, path: Path, problems, data_cfg, recipe_cfg, base: Optional[str] = None,
                   lora: Optional[Path] = None):
     """One GGUF column: prompts rendered as for transformers, answered in llama.cpp (a child process), scored."""
-    from delft.data.batches import prompt_ids
-    from delft.evaluation.results import eval_prompts, scored_result
-
     tokenizer = gguf_tokenizer(path, base)
     chat, stops, prompts = eval_prompts(tokenizer, problems, data_cfg, recipe_cfg.eval)
     ev = recipe_cfg.eval
@@ -83,9 +83,6 @@ def evaluate_gguf(name: str, path: Path, problems, data_cfg, recipe_cfg, base: O
 
 def run_llama(path: Path, request: dict, lora: Optional[Path] = None) -> dict:
     """The child's answers to ``request`` (see :func:`answer_all`); a child that dies is a UserError."""
-    from delft import children
-    from delft.children import describe_exit
-
     here = str(Path(__file__).resolve().parents[2])  # this delft, whatever else is installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="delft-llama-") as tmp:
@@ -122,8 +119,6 @@ def _pick(logits, rng, temperature: float, top_p: float) -> int:
 
 def _answer(llm, prompt_tokens: list[int], spec: dict, rng) -> str:
     """One continuation: up to max_new_tokens, ending at an end-of-generation token or once a stop string shows."""
-    from delft.numbers.answers import cut_at_stop
-
     import llama_cpp
     import numpy as np
 

@@ -11,18 +11,21 @@ from typing import Optional, Sequence
 
 from rich.console import Console
 
+from delft.evaluation.generation import generate
+from delft.evaluation.gguf_backend import evaluate_gguf, is_gguf
 from delft.evaluation.metrics import summarize
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
 from delft.evaluation.results import ModelResult, check_prompts_fit, eval_prompts, sampling_of, scored_result
+from delft.evaluation.sampling import summarize_samples
+from delft.evaluation.teacher_forced import summarize_teacher, teacher_forced
+from delft.models.loading import using_model
+from delft.numbers.tokens import NumberVocab
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
                    recipe_cfg, progress=None, task=None, teacher_forced: bool = False) -> ModelResult:
     """Load one model, answer every problem, score the answers (and with ``teacher_forced`` score the gold
     completions, delft.evaluation.teacher_forced); the model is freed afterwards."""
-    from delft.evaluation.generation import generate
-    from delft.models.loading import using_model
-
     with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
         chat, stops, prompts = eval_prompts(lm.tokenizer, problems, data_cfg, recipe_cfg.eval)
         check_prompts_fit(lm.model, lm.tokenizer, prompts, problems, recipe_cfg.eval, adapter or base)
@@ -38,9 +41,6 @@ def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Seque
 
 
 def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, recipe_cfg):
-    from delft.evaluation.teacher_forced import teacher_forced
-    from delft.numbers.tokens import NumberVocab
-
     vocab = NumberVocab.from_tokenizer(tokenizer, purpose="--teacher-forced")
     return teacher_forced(model, tokenizer, [p.example for p in problems], data_cfg, vocab,
                           recipe_cfg.eval.batch_size)
@@ -48,16 +48,12 @@ def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, rec
 
 def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg, recipe_cfg):
     """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it."""
-    from delft.models.loading import using_model
-
     with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
         return _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg)
 
 
 def in_llama_cpp(adapter: Optional[str], base: str, recipe_cfg) -> bool:
     """Whether a column runs in llama.cpp: a GGUF run always, a GGUF base model with eval.backend llama.cpp."""
-    from delft.evaluation.gguf_backend import is_gguf
-
     return is_gguf(adapter) or (adapter is None and is_gguf(base) and recipe_cfg.eval.backend == "llama.cpp")
 
 
@@ -110,8 +106,6 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
         for name, adapter in columns:
             task = progress.add_task(name, total=len(problems))
             if in_llama_cpp(adapter, base, recipe_cfg):
-                from delft.evaluation.gguf_backend import evaluate_gguf
-
                 r = evaluate_gguf(name, Path(adapter or base), problems, data_cfg, recipe_cfg, base)
                 progress.advance(task, len(problems))
             else:
@@ -119,12 +113,8 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
                                    teacher_forced)
             r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
             if r.samples is not None:
-                from delft.evaluation.sampling import summarize_samples
-
                 r.metrics["sampling"] = summarize_samples(r.samples, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
             if r.teacher is not None:
-                from delft.evaluation.teacher_forced import summarize_teacher
-
                 r.teacher_metrics = summarize_teacher(r.teacher)
             results.append(r)
     return results

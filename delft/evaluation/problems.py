@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
+from delft.data.pipeline import load_examples
 from delft.errors import UserError
 from delft.numbers.answers import parse_number
 from delft.recipe.schema import EVAL_SEED_OFFSET
@@ -42,8 +43,6 @@ def disjoint_from_training(data_cfg, train_data):
 
 def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
     """The eval problems with numeric gold answers; (problems, number skipped for lack of an answer)."""
-    from delft.data.pipeline import load_examples
-
     examples = load_examples(data_cfg, "eval.data")
     problems, skipped = [], 0
     for i, ex in enumerate(examples):

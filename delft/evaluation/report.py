@@ -23,6 +23,7 @@ from delft.evaluation.metrics import (
 )
 from delft.evaluation.problems import BOOTSTRAP_SEED, Problem
 from delft.evaluation.results import ModelResult
+from delft.evaluation.teacher_forced import difference_line, teacher_differences, teacher_rows
 from delft.numbers.answers import Scored, canonical
 from delft.numbers.digits import place_name
 from delft.outputs import num, pct, write_figure
@@ -197,8 +198,6 @@ def write_plot(results: Sequence[ModelResult], path: Path, title: str, flag: str
 
 def teacher_table(results: Sequence[ModelResult], title: str) -> Table:
     """The teacher-forced table (each result's ``teacher_metrics``; same layout as the main one)."""
-    from delft.evaluation.teacher_forced import teacher_rows
-
     table = _table(results, title, teacher_rows([r.teacher_metrics for r in results]))
     table.caption = ("at each digit of the gold completion: argmax among the ten digits, full-vocabulary argmax, "
                      "CE over the ten digit logits; non-digit CE / perplexity: every other completion token")
@@ -208,8 +207,6 @@ def teacher_table(results: Sequence[ModelResult], title: str) -> Table:
 
 def print_teacher(results: Sequence[ModelResult], include_base: bool, resamples: int, console: Console) -> None:
     """The teacher-forced table and each run's differences from the base."""
-    from delft.evaluation.teacher_forced import difference_line, teacher_differences
-
     if include_base:
         for r in results[1:]:
             r.teacher_vs_base = teacher_differences(results[0].teacher, r.teacher, resamples, BOOTSTRAP_SEED)

@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from delft.data.batches import prompt_ids
+from delft.data.prompts import render_prompt, use_chat_template
 from delft.evaluation.fewshot import fewshot_prompt, question_text
-from delft.evaluation.problems import Problem
+from delft.evaluation.generation import Sampling, stop_strings
+from delft.evaluation.problems import Problem, task_scorer
+from delft.evaluation.sampling import majority_index
 from delft.models.context import check_context, context_limit
 from delft.numbers.answers import Scored, cut_at_stop, extract_answer, score
 from delft.numbers.harness import harness_scores
@@ -37,9 +40,6 @@ class ModelResult:
 def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> tuple[bool, list[str], list[str]]:
     """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
     harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
-    from delft.data.prompts import render_prompt, use_chat_template
-    from delft.evaluation.generation import stop_strings
-
     if eval_cfg.fewshot is not None:
         prompts = [fewshot_prompt(question_text(p.example), eval_cfg.fewshot) for p in problems]
         return False, stop_strings(tokenizer, False), prompts
@@ -83,8 +83,6 @@ def _fewer_shots(tokenizer, problem: Problem, shots, fits: int):
 
 def sampling_of(eval_cfg):
     """The eval section's decoding: None (greedy) for one sample, else delft.evaluation.generation.Sampling."""
-    from delft.evaluation.generation import Sampling
-
     if eval_cfg.samples == 1:
         return None
     return Sampling(eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.seed)
@@ -103,9 +101,6 @@ def scored_result(name: str, adapter: Optional[str], chat: bool, stops: list[str
                   texts: Sequence[Sequence[str]], problems: Sequence[Problem], data_cfg) -> ModelResult:
     """A ModelResult from each problem's answer texts: one (greedy) or several (sampled; ``scored`` then holds
     each problem's majority-vote answer, the samples are kept in ``samples``)."""
-    from delft.evaluation.problems import task_scorer
-    from delft.evaluation.sampling import majority_index
-
     scorer = task_scorer(data_cfg)
     groups = [[score_text(t, p, stops, scorer) for t in ts] for ts, p in zip(texts, problems)]
     sampled = any(len(ts) > 1 for ts in texts)

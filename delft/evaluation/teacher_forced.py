@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from delft.data.batches import collate, tokenize_example
+from delft.evaluation.metrics import paired_difference
+from delft.losses.heads import digit_logits
+from delft.models.loading import decoder_and_head
 from delft.numbers.digits import place_name
+from delft.numbers.tokens import IGNORE, char_logits
 from delft.outputs import num, pct, staged
 
 CHUNK_POSITIONS = 256  # completion positions whose full-vocabulary logits exist at once
@@ -60,8 +65,6 @@ def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_
     NumberVocab (digit metrics per digit character, so number tokens of 1-3 digits work as single digits do)."""
     import torch
 
-    from delft.data.batches import collate, tokenize_example
-
     cfg = data_cfg.model_copy(update={"train_on_prompt": False})
     items = [tokenize_example(ex, tokenizer, cfg) for ex in examples]
     out = TeacherForced(n_examples=len(items), truncated=sum(t.truncated for t in items))
@@ -77,9 +80,6 @@ def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_
 def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
     """Positions of one right-padded batch: hidden states once, then only the rows each metric needs."""
     import torch
-
-    from delft.models.loading import decoder_and_head
-    from delft.numbers.tokens import IGNORE
 
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -109,9 +109,6 @@ def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
 def _digit_scores(out: list, slots: list[int], h, head, gold_cols, vocab) -> None:
     """Digit CE and argmax hit of every digit character, from the number-token rows of the output layer only."""
     import torch
-
-    from delft.losses.heads import digit_logits
-    from delft.numbers.tokens import char_logits
 
     chars = char_logits(digit_logits(h, head, vocab.ids), gold_cols, vocab.char_table(h.device))
     z, gold_digit = chars.logits, chars.digit
@@ -196,8 +193,6 @@ def teacher_differences(base: TeacherForced | Sequence[TeacherForced], run: Teac
 
     Either side may be a list of one model's training seeds: each example's value is then averaged over them
     before the bootstrap, so an example is resampled once, not once per seed."""
-    from delft.evaluation.metrics import paired_difference
-
     bases = [base] if isinstance(base, TeacherForced) else list(base)
     runs = [run] if isinstance(run, TeacherForced) else list(run)
     a, b = _groups(bases[0]), _groups(runs[0])

@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from delft.outputs import write_atomic
+from delft.planning.shapes import model_shape, parameter_counts, scratch_config
+from delft.recipe.schema import validate_recipe
+
 
 def parameters(report: dict) -> int:
     """The parameter count of the study's model (a scratch architecture, from its recipe), as --plan counts it."""
-    from delft.recipe.schema import validate_recipe
-    from delft.planning.shapes import model_shape, parameter_counts, scratch_config
-
     config, _ = scratch_config(validate_recipe(report["settings"]["recipe"]))
     return sum(parameter_counts(model_shape(config)))
 
@@ -86,8 +87,6 @@ def main(argv=None) -> None:
     p.add_argument("--recipe", default="del_prob")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    from delft.outputs import write_atomic
-
     rows = scale_rows(args.studies, args.recipe)
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "scale.json", json.dumps(rows, indent=1) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from delft.evaluation.metrics import EXACT_MATCH, hierarchical_difference, holm, seed_level_difference
+from delft.outputs import tables_console
 
 RESAMPLES = 2000
 
@@ -226,8 +227,6 @@ def analysis_renderables(report: dict) -> list:
 
 def analysis_text(report: dict) -> str:
     """:func:`analysis_renderables` as plain text, the way tables.txt records the terminal."""
-    from delft.outputs import tables_console
-
     text = tables_console()
     for item in analysis_renderables(report):
         text.print(item, highlight=False)

@@ -26,14 +26,38 @@ from pydantic import Field, ValidationError, field_validator
 from rich.console import Console
 
 from delft import __version__
+from delft.data.fields import check_data_path
+from delft.data.sources import LOCAL_LOADERS
 from delft.errors import UserError
+from delft.evaluation.model_scores import score_gold
+from delft.evaluation.problems import BOOTSTRAP_SEED, disjoint_from_training, load_problems, settings_block
+from delft.evaluation.report import teacher_table, write_plot
+from delft.evaluation.results import ModelResult
 from delft.evaluation.runs import check_runs
+from delft.evaluation.teacher_forced import (
+    difference_line,
+    mean_summaries,
+    summarize_teacher,
+    teacher_differences,
+    write_teacher_plot,
+)
 from delft.experiments.arms import reference_name, resolve_contenders, train_all
+from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
-from delft.outputs import tables_console
-from delft.recipe.schema import (GENERATED, DataConfig, ReasoningGymConfig, Recipe, Section, SyntheticConfig,
-    describe_error)
+from delft.experiments.seed_level import analyse, analysis_renderables
+from delft.experiments.summary import study_summary
+from delft.models.scratch import base_name
+from delft.outputs import check_output_dir, result_set, tables_console, write_result
 from delft.recipe.files import read_yaml
+from delft.recipe.schema import (
+    GENERATED,
+    DataConfig,
+    ReasoningGymConfig,
+    Recipe,
+    Section,
+    SyntheticConfig,
+    describe_error,
+)
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
@@ -126,9 +150,6 @@ def load_study(path: Path) -> StudyConfig:
 def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
     """A file source as given, or looked up in --data-dir when relative; missing files are refused now. A
     hub dataset id (no file suffix, no such path) is left to the data loader."""
-    from delft.data.sources import LOCAL_LOADERS
-    from delft.data.fields import check_data_path
-
     path = Path(source).expanduser()
     in_dir = data_dir is not None and (data_dir / path).exists()
     if path.suffix.lower() not in LOCAL_LOADERS and not path.exists() and not in_dir:
@@ -143,8 +164,6 @@ def _data_file(source: str, data_dir: Optional[Path], where: str) -> str:
 
 def eval_data(name: str, spec: EvalSet, cfg: Recipe, data_dir: Optional[Path]) -> DataConfig:
     """One eval set as a DataConfig, rendered like the recipes' training data (template, system prompt)."""
-    from delft.evaluation.problems import disjoint_from_training
-
     where = f"evals.{name}"
     fields = cfg.eval_data().model_dump()
     fields.update(limit=spec.limit, val_size=0)
@@ -200,8 +219,6 @@ def _contenders(study: StudyConfig, path: Path, overrides: Sequence[str], data_d
     """compare's contenders (same settings but the loss), their data files looked up in --data-dir."""
 
     if study.curve:
-        from delft.experiments.curves import snapshot_override
-
         overrides = [*overrides, snapshot_override(study.curve)]
     contenders = resolve_contenders([path.parent / r for r in study.recipe_files()], overrides, console, "delft study",
                                     f"{path}: recipes")
@@ -223,8 +240,6 @@ def _in_study(err: UserError, name: str, path: Path) -> UserError:
 def load_sets(sets: dict[str, DataConfig], path: Path, console: Console) -> dict[str, tuple[list, int]]:
     """Every eval set's problems, read and checked (a file that parses, numeric answers, a hub dataset that can be
     reached) before the first training step: (problems, skipped) by set."""
-    from delft.evaluation.problems import load_problems
-
     loaded = {}
     for name, data_cfg in sets.items():
         try:
@@ -246,8 +261,6 @@ def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, bas
 
 def _teacher_line(name: str, ref: str, label: str, diff: dict) -> str:
     """``name``'s teacher-forced differences from ``ref`` (on one seed, or the seed means), with 95 % intervals."""
-    from delft.evaluation.teacher_forced import difference_line
-
     parts = difference_line(name, diff).partition(": ")[2]  # its metrics; the line itself says "vs base"
     return f"{name} vs {ref} ({label}, teacher-forced, paired bootstrap): {parts}"
 
@@ -255,9 +268,6 @@ def _teacher_line(name: str, ref: str, label: str, diff: dict) -> str:
 def _show_teacher(key: str, section: dict, seeds: Sequence[int], console: Console, tables: Console) -> None:
     """A teacher-forced set's tables, as the greedy sets': one per training seed (base and each recipe's run),
     then the seed means, each with the differences from the reference; on the screen and in tables.txt."""
-    from delft.evaluation.report import teacher_table
-    from delft.evaluation.results import ModelResult
-
     st, models = section["settings"], section["models"]
     ref, first = st["reference"], models[0]["metrics"]
     heading = f"delft study, {key}: {st['n']} gold completions, teacher-forced" + (
@@ -282,10 +292,6 @@ def _show_teacher(key: str, section: dict, seeds: Sequence[int], console: Consol
 def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, contenders, seeds, runs,
                  console: Console, loaded: tuple) -> tuple[dict, list]:
     """Every model teacher-forced on the set's gold completions; differences per seed and pooled."""
-    from delft.evaluation.problems import BOOTSTRAP_SEED, settings_block
-    from delft.evaluation.model_scores import score_gold
-    from delft.evaluation.teacher_forced import mean_summaries, summarize_teacher, teacher_differences
-
     problems, skipped = loaded
     console.rule(f"[bold]{key}[/]: {len(problems)} gold completions, teacher-forced")
     start = time.perf_counter()
@@ -336,9 +342,6 @@ def _per_example_record(tf) -> list[dict]:
 
 
 def _write_plots(out: Path, sections: dict[str, tuple[dict, list]], seeds: Sequence[int]) -> dict[str, str]:
-    from delft.evaluation.report import write_plot
-    from delft.evaluation.teacher_forced import write_teacher_plot
-
     what = "mean over seeds " + ", ".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
     paths = {}
     for key, (section, plotted) in sections.items():
@@ -356,9 +359,6 @@ def _write_results(out: Path, report: dict, tables: str, sections: dict[str, tup
                    seeds: Sequence[int], flag: str) -> None:
     """study.json, summary.md, tables.txt and the plots, replacing the study's earlier results in ``out`` as a
     set (an earlier study's plots of other sets never stay beside these)."""
-    from delft.experiments.summary import study_summary
-    from delft.outputs import result_set, write_result
-
     with result_set(out, earlier_results(out, RESULT_FILES), flag) as new:
         write_result(new / STUDY_JSON, json.dumps(report, indent=1) + "\n", flag)
         write_result(new / SUMMARY, study_summary(report), flag)
@@ -374,8 +374,6 @@ def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> 
 def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict, cfg0: Recipe, contenders, runs,
                   console: Console, tables: Console) -> dict[str, tuple[dict, list]]:
     """Every eval set in turn, its tables on the screen and in ``tables``: (JSON section, what it plots) by set."""
-    from delft.models.scratch import base_name
-
     base = base_name(cfg0)
     sections = {}
     for name, spec in study.evals.items():
@@ -393,8 +391,6 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
              train_only: bool, force: bool):
     """Every refusal before training: the out folder, the recipes, the controls, the curve, the eval sets.
     Returns (contenders, the first run's recipe, the sets, their problems (None with train_only))."""
-    from delft.outputs import check_output_dir
-
     out = Path(study.out)
     check_output_dir(out, f"{path}: out")  # before hours of training, not after
     contenders = _contenders(study, path, overrides, data_dir, console)
@@ -409,8 +405,6 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
 
 
 def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path: Path) -> None:
-    from delft.experiments.curves import check_curve
-
     ref = reference_name(contenders)
     if ref in study.controls():
         raise UserError(f"the reference recipe {ref} is marked control: a control is compared with the reference",
@@ -425,8 +419,6 @@ def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path
 def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: str, contenders, runs, sections,
             console: Console, tables: Console) -> dict:
     """Every greedy set at every curve step (the runs' snapshots), as curves (delft.experiments.curves)."""
-    from delft.experiments.curves import study_curves
-
     if not study.curve:
         return {}
 
@@ -441,8 +433,6 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
 
 def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
             sections: dict, curves: dict, seconds: dict) -> dict:
-    from delft.experiments.seed_level import analyse
-
     report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
@@ -463,9 +453,6 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
               console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
     summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
-    from delft.experiments.seed_level import analysis_renderables
-    from delft.models.scratch import base_name
-
     console = console or Console()
     path = Path(path)
     study = load_study(path)

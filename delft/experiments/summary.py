@@ -5,13 +5,22 @@ difference each comparison can detect), then every set's full tables.
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Optional
 
 from delft.evaluation.metrics import PAIRED, mdd
 from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
+from delft.experiments.curves import curve_lines
 from delft.experiments.results import markdown_set
-from delft.outputs import pct
+from delft.experiments.seed_level import (
+    TABLES_HEADING,
+    analyse,
+    analysis_text,
+    flip_lines,
+    flips,
+    seed_level_lines,
+    verdict_lines,
+)
+from delft.outputs import pct, write_atomic
 
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode; a greedy set's
 # are the metrics every comparison differences (delft.evaluation.metrics.PAIRED).
@@ -131,9 +140,6 @@ def study_summary(report: dict) -> str:
               "the 5 % level, (1.96 + 0.84) standard errors, the standard error read off the interval.", ""]
     for key, sec in report["evals"].items():
         lines += headline(key, sec, seeds)
-    from delft.experiments.curves import curve_lines
-    from delft.experiments.seed_level import flip_lines, flips, seed_level_lines, verdict_lines
-
     lines += seed_level_lines(report.get("seed_level", []))
     lines += flip_lines(report.get("flips") or flips(report))
     lines += curve_lines(report.get("curves") or {})
@@ -151,9 +157,6 @@ def rewrite(out: Path) -> None:
     """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code,
     and write study.json, summary.md and tables.txt's block on them again (each whole or not at all): ``python -m delft.experiments.summary OUT``."""
     import json
-
-    from delft.experiments.seed_level import TABLES_HEADING, analyse, analysis_text
-    from delft.outputs import write_atomic
 
     out = Path(out)
     report = json.loads((out / "study.json").read_text())

@@ -37,17 +37,20 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from delft.data.prompts import use_chat_template
-from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
-from delft.errors import UserError, VerificationError
 from delft import children
-from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files
 from delft.children import describe_exit
+from delft.data.prompts import use_chat_template
+from delft.errors import UserError, VerificationError
+from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
+from delft.export.checks import check_out, check_run_dir
+from delft.export.gguf_check import GgufFile, LlamaCrashed, check_files
 from delft.export.gguf_probe import PROBE_PROBLEMS, probe_files
-from delft.export.report import load_recipe_quietly
+from delft.export.report import CHECK_PROMPTS, load_recipe_quietly
+from delft.models.loading import load_tokenizer
+from delft.models.sources import cache_dir, cache_error, resolve_model, usable_cache_dir
 from delft.numbers.answers import PLAIN_STOP_STRINGS
 from delft.outputs import pct, staged, temporary_sibling, write_atomic
-from delft.rundir import is_merged_model
+from delft.rundir import EXPORT_INFO, base_model, is_merged_model
 
 LLAMA_CPP_VERSION = "0.3.36"  # the converter and the llama.cpp that checks its output come from this release
 
@@ -135,8 +138,6 @@ def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Opti
     """Refuse what cannot be done before minutes of merging: types, flags, the converter, the base's
     architecture and tokenizer (a vocabulary-only conversion of the base). None when no GGUF was asked.
     ``resume``: ``out`` holds this run's verified merged export (its GGUF phase is redone, the merge kept)."""
-    from delft.export.checks import check_out, check_run_dir
-
     types = parse_types(types)
     if not types and not lora:
         if check:
@@ -191,9 +192,6 @@ def _try_the_base(plan: GgufPlan, run_dir: Path) -> None:
 def _local_base(run_dir: Path) -> Optional[Path]:
     """The run's base model as a local directory (a fully fine-tuned run is its own), or None (not resolvable here:
     the export will say why)."""
-    from delft.models.sources import resolve_model
-    from delft.rundir import base_model
-
     if is_merged_model(run_dir):
         return run_dir
     name = base_model(run_dir)
@@ -208,8 +206,6 @@ def _local_base(run_dir: Path) -> Optional[Path]:
 
 def ensure_converter() -> Path:
     """llama.cpp's converter scripts from the pinned llama-cpp-python sdist, extracted once into the cache."""
-    from delft.models.sources import cache_dir, cache_error, usable_cache_dir
-
     target = cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}"
     if _converter_complete(target):
         return target
@@ -450,8 +446,6 @@ def export_gguf(plan: GgufPlan, result, console: Optional[Console] = None, resum
     and their figures added to delft_export.json and the model card. VerificationError (exit 1) when a check
     fails; the files stay, marked with GGUF_CHECK_FAILED.txt. ``resume``: an earlier GGUF phase of this export
     failed or was cut short: its GGUF outputs are removed and the phase is redone; the merged model is kept."""
-    from delft.models.loading import load_tokenizer
-
     console = console or Console()
     out, run_dir = Path(result.out), Path(result.run_dir)
     if resume:
@@ -525,9 +519,6 @@ def _remove_gguf_phase(out: Path) -> None:
 
 def _record(out: Path, files: list[GgufFile], notes: list[str], checked: bool) -> None:
     """The figures into delft_export.json and a GGUF section into the model card, each rewritten whole."""
-    from delft.export.report import CHECK_PROMPTS
-    from delft.rundir import EXPORT_INFO
-
     info_path = out / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     info["gguf"] = {"converter": LLAMA_CPP_SDIST, "checked_in_llama_cpp": checked, "prompts": list(CHECK_PROMPTS),

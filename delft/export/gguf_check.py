@@ -21,7 +21,8 @@ from rich.console import Console
 
 from delft import children
 from delft.children import describe_exit
-from delft.models.loading import using_model
+from delft.export.report import CHECK_PROMPTS
+from delft.models.loading import load_tokenizer, using_model
 
 
 @dataclass
@@ -43,8 +44,6 @@ class CheckInputs:
 
 
 def check_inputs(tokenizer) -> CheckInputs:
-    from delft.export.report import CHECK_PROMPTS
-
     texts = list(CHECK_PROMPTS)
     if getattr(tokenizer, "chat_template", None):
         texts.append(tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPTS[0]}], tokenize=False,
@@ -173,8 +172,6 @@ def logit_gap(logits: list, reference: list) -> tuple[float, float, int]:
 
 def check_files(files: list[GgufFile], out: Path, run_dir: Path, base: str, console: Console) -> None:
     """Fill in each file's figures: merged GGUFs against the merged directory, the LoRA against base + adapter."""
-    from delft.models.loading import load_tokenizer
-
     tokenizer = load_tokenizer(str(out))
     inputs = check_inputs(tokenizer)
     base_file = next((out / f.file for f in files if f.kind == "base"), None)

@@ -16,7 +16,13 @@ from typing import Optional
 
 from rich.console import Console
 
+from delft.evaluation.gguf_backend import evaluate_gguf, run_llama
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH, summarize
+from delft.evaluation.model_scores import evaluate_model
+from delft.evaluation.problems import load_problems
+from delft.export.report import load_recipe_quietly
+from delft.models.loading import load_tokenizer
+from delft.recipe.schema import GENERATED, Recipe
 
 PROBE_PROBLEMS = 40  # greedy answers per file: a few seconds for a small model in llama.cpp on a CPU
 # Numbers in the forms that tokenizers split differently: lengths 1-7, decimals, signs, separators, in a sentence.
@@ -28,9 +34,6 @@ def probe_recipe(run_dir: Path):
     """The run's recipe (defaults for adapters delft did not train) with its eval set cut to the probe, the
     synthetic held-out set when the eval set is not generated (a probe must not need a file or the hub), on the
     CPU in fp32 for the merged model."""
-    from delft.export.report import load_recipe_quietly
-    from delft.recipe.schema import GENERATED, Recipe
-
     cfg = load_recipe_quietly(run_dir) or Recipe()
     data = cfg.eval_data()
     if data.format not in GENERATED:
@@ -45,11 +48,6 @@ def probe_recipe(run_dir: Path):
 
 def probe_files(files: list, out: Path, run_dir: Path, console: Console) -> None:
     """Fill in each merged or LoRA file's ``probe`` (answers on the probe set) and ``number_tokens`` figures."""
-    from delft.evaluation.gguf_backend import evaluate_gguf
-    from delft.evaluation.problems import load_problems
-    from delft.evaluation.model_scores import evaluate_model
-    from delft.models.loading import load_tokenizer
-
     chosen = [f for f in files if f.kind in ("merged", "lora")]
     if not chosen:
         return
@@ -82,8 +80,6 @@ def probe_figures(scored: list, reference: list) -> dict:
 
 def number_tokens(path: Path, tokenizer, lora: Optional[Path]) -> dict:
     """llama.cpp's token ids for NUMBER_TEXTS against the training tokenizer's: which texts split differently."""
-    from delft.evaluation.gguf_backend import run_llama
-
     theirs = run_llama(path, {"prompts": [], "tokenize": NUMBER_TEXTS, "n_ctx": 64}, lora)["tokens"]
     differ = [t for t, ids in zip(NUMBER_TEXTS, theirs) if tokenizer.encode(t, add_special_tokens=False) != ids]
     return {"match": not differ, "texts": len(NUMBER_TEXTS), "differ": differ}

@@ -33,13 +33,34 @@ from rich.console import Console
 from delft.errors import UserError, VerificationError
 from delft.export.checks import check_disk, check_out, check_run_dir, local_param_count, normalize_dtype, tmp_prefix
 from delft.export.nf4 import apply_nf4_roundtrip
-from delft.export.report import (CHECK_PROMPTS, FULL_MODEL, MARKER, ExportResult, eval_headline, export_info,
-    failure_text, load_recipe_quietly, model_card, summary_table, why_failed)
-from delft.rundir import EXPORT_INFO
+from delft.export.report import (
+    CHECK_PROMPTS,
+    FULL_MODEL,
+    MARKER,
+    ExportResult,
+    eval_headline,
+    export_info,
+    failure_text,
+    load_recipe_quietly,
+    model_card,
+    summary_table,
+    why_failed,
+)
+from delft.models.loading import free_memory, load_model, load_tokenizer, resolve_device
 from delft.models.remote_code import check_remote_code
-from delft.models.sources import GGUF_SOURCE
+from delft.models.sources import GGUF_SOURCE, SMOLLM2_ALIAS, ModelRef, resolve_model
 from delft.outputs import follow_umask, is_disk_full
-from delft.rundir import COMPLETED, RECIPE, RUN_INFO, check_model_files, is_merged_model
+from delft.rundir import (
+    COMPLETED,
+    EXPORT_INFO,
+    RECIPE,
+    RUN_INFO,
+    base_model,
+    check_adapter_matches,
+    check_model_files,
+    is_merged_model,
+    tokenizer_source,
+)
 
 # Default tolerance on max |dlogit| = REL_TOLERANCE[dtype] * max(1, max |logit| of base + adapter).
 #  fp32: only summation order differs between W x + B(A x) and (W + BA) x: ~1e-6 relative; 1e-4 leaves room
@@ -153,9 +174,6 @@ def _resolve_base(run_dir: Path, out: Path, force: bool, dtype: str,
     ``remote``: the user's own --trust-remote-code, never a setting read from the run."""
     from transformers import AutoConfig
 
-    from delft.models.sources import SMOLLM2_ALIAS, resolve_model
-    from delft.rundir import base_model, check_adapter_matches
-
     info = check_run_dir(run_dir)
     if is_merged_model(run_dir):  # fully fine-tuned: the run is the model (check_run_dir allows it for runs)
         return _full_run(run_dir, out, force, dtype, gguf_bytes, info, remote)
@@ -196,8 +214,6 @@ def _full_run(run_dir: Path, out: Path, force: bool, dtype: str, gguf_bytes: flo
     """A fully fine-tuned run as the "base" an export copies: its own config and weights, nothing merged."""
     from transformers import AutoConfig
 
-    from delft.models.sources import ModelRef
-
     check_out(out, force, {"run directory": run_dir})
     check_remote_code(run_dir, str(run_dir), "delft export", remote, "a fully fine-tuned run")
     recipe = load_recipe_quietly(run_dir)
@@ -213,9 +229,6 @@ def _copy_full(run_dir: Path, base: _Base, info: dict, device: str, encoded: lis
     """The fully fine-tuned model (fp32) as ``_merge`` returns a merge: the reference logits are its own, the
     "adapter effect" is how far training moved them from the starting weights (when those are still there)."""
     import torch
-
-    from delft.models.loading import free_memory, load_model
-    from delft.models.sources import ModelRef
 
     model = load_model(base.ref, device, torch.float32, "none").eval()
     reference = _logits(model, encoded)
@@ -261,8 +274,6 @@ def _merge(run_dir: Path, base: _Base, device: str, match_training: bool, encode
     """
     import torch
     from peft import PeftModel
-
-    from delft.models.loading import load_model
 
     model = load_model(base.ref, device, torch.float32, "none", revision=base.revision,
                        trust_remote_code=base.remote)
@@ -310,8 +321,6 @@ def _verify_reload(tmp: Path, encoded: list, reference: list, result: ExportResu
     import torch
     from transformers import AutoModelForCausalLM
 
-    from delft.models.loading import free_memory
-
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
                                                     trust_remote_code=base.remote).to(device).eval()
     result.max_abs_diff = _max_diff(_logits(reloaded, encoded), reference)
@@ -353,9 +362,6 @@ def write_merged_model(run_dir, out, dtype: str = "bfloat16", match_training: bo
     Raises UserError for what the user can fix, VerificationError (exit 1) when the merge check fails -
     in which case ``out`` is still written, marked with MERGE_CHECK_FAILED.txt.
     """
-    from delft.models.loading import free_memory, load_tokenizer, resolve_device
-    from delft.rundir import tokenizer_source
-
     console = console or Console()
     run_dir, out = Path(run_dir), Path(out)
     dtype = _check_arguments(dtype, tolerance, device)

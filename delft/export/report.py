@@ -12,15 +12,16 @@ from typing import Optional
 
 from rich.table import Table
 
+from delft import __version__
+from delft.data.sources import HUB_ID
 from delft.errors import UserError
 from delft.evaluation.metrics import HEADLINE
 from delft.outputs import human_size
+from delft.recipe.files import load_recipe
 from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
 
 
 def load_recipe_quietly(run_dir: Path):
-    from delft.recipe.files import load_recipe
-
     path = run_dir / RECIPE
     if not path.is_file():
         return None
@@ -81,8 +82,6 @@ def eval_headline(run_dir: Path) -> list[tuple[str, str]]:
 
 
 def _is_hub_id(name: str) -> bool:
-    from delft.data.sources import HUB_ID
-
     return bool(re.fullmatch(HUB_ID, name)) and not Path(name).expanduser().exists()
 
 
@@ -162,8 +161,6 @@ def failure_text(r: ExportResult) -> str:
 
 
 def export_info(r: ExportResult, info: dict) -> dict:
-    from delft import __version__
-
     return {"delft_version": __version__, "run_info": {k: info.get(k) for k in (
         "base_model", "quantization", "loss", "loss_weight", "step", "total_steps", "status")},
             "prompts": list(CHECK_PROMPTS), **asdict(r)}

@@ -20,6 +20,7 @@ from typing import Optional
 from delft import rundir
 from delft.data.batches import collate, collate_packed
 from delft.errors import UserError
+from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
 from delft.models.loading import MUTATING_INITS, save_initial_adapter
 from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 from delft.recipe.schema import Recipe
@@ -206,10 +207,10 @@ class Trainer:
             return None
         row = {"step": self.step, **self.heldout.measure(self.model)}
         self._append_metrics(row)
-        self.console.print(f"step {self.step:>5}  held-out exact match {100 * row['accuracy']:.1f} % of "
-                           f"{row['accuracy_n']}  (digits {100 * (row['digit_accuracy'] or 0):.1f} %)",
-                           highlight=False)
-        return row["accuracy"]
+        exact, digits = row[EXACT_MATCH.heldout], row[DIGIT_ACCURACY.heldout]
+        self.console.print(f"step {self.step:>5}  held-out exact match {100 * exact:.1f} % of "
+                           f"{row['accuracy_n']}  (digits {100 * (digits or 0):.1f} %)", highlight=False)
+        return exact
 
     # -- the loop
 
