@@ -114,20 +114,14 @@ def _unwrap(m: re.Match, order: str) -> tuple[str, Sources]:
     return m.group("body"), list(range(start, end))
 
 
-def _write(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
+def _convert(text: str, order: str, count_prefix: bool, reading: bool) -> tuple[str, Sources]:
+    """Write (``reading`` False) or read back the numbers of ``text``, with each output character's source index."""
     _check(order, count_prefix)
+    if count_prefix and reading:
+        return _rewrite(text, _WRAPPED, lambda m: _unwrap(m, order))
     if count_prefix:
         return _rewrite(text, _NUMBER, lambda m: _wrap(m, order))
-    if order == "reversed":
-        return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
-    return text, list(range(len(text)))
-
-
-def _read(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
-    _check(order, count_prefix)
-    if count_prefix:
-        return _rewrite(text, _WRAPPED, lambda m: _unwrap(m, order))
-    if order == "reversed":
+    if order == "reversed":  # reversing a run is its own inverse
         return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
     return text, list(range(len(text)))
 
@@ -135,18 +129,18 @@ def _read(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
 def write_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
     """``text`` with every number written in the given form (module docstring): ``write_numbers("12+9=21",
     "reversed") == "21+9=12"``, ``write_numbers("12+9=21", count_prefix=True) == "{2:12}+{1:9}={2:21}"``."""
-    return _write(text, order, count_prefix)[0]
+    return _convert(text, order, count_prefix, reading=False)[0]
 
 
 def read_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
     """The natural text a written one stands for: the inverse of :func:`write_numbers` with the same form."""
-    return _read(text, order, count_prefix)[0]
+    return _convert(text, order, count_prefix, reading=True)[0]
 
 
 def _natural_index(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
     """The natural text, and for every character of the written ``text`` the index of the natural character it
     is (None for a prefix's characters, which stand for nothing in the natural text)."""
-    natural, sources = _read(text, order, count_prefix)
+    natural, sources = _convert(text, order, count_prefix, reading=True)
     index: Sources = [None] * len(text)
     for j, i in enumerate(sources):
         index[i] = j
