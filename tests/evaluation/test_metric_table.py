@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-import delft.evaluation.generation as generation
+import delft.training.heldout as heldout
 from delft.evaluation.metrics import (
     COLUMNS,
     EXACT_MATCH,
@@ -124,7 +124,7 @@ def test_compare_and_study_summaries_carry_every_row():
 
 def test_the_held_out_row_holds_every_row_with_a_held_out_name(monkeypatch):
     answers = [SimpleNamespace(text=f"#### {g}") for g in GOLDS]
-    monkeypatch.setattr(generation, "greedy", lambda *args, **kwargs: answers)
+    monkeypatch.setattr(heldout, "greedy", lambda *args, **kwargs: answers)
     problems = [SimpleNamespace(gold=g) for g in GOLDS]
     model = SimpleNamespace(training=False, config=SimpleNamespace(use_cache=False), eval=lambda: None,
                             train=lambda: None)
