@@ -180,12 +180,12 @@ def test_wrong_types_in_adapter_config_are_one_paragraph(case, command, tiny_mod
 @pytest.fixture
 def no_generation(monkeypatch):
     """Generating at all fails the test: the refusal must come before the first token."""
-    import delft.evaluation.generation as generation
+    import delft.evaluation.model_scores as model_scores
 
     def refuse(*args, **kwargs):
         raise AssertionError("generated although a prompt does not fit the context")
 
-    monkeypatch.setattr(generation, "generate", refuse)
+    monkeypatch.setattr(model_scores, "generate", refuse)  # where delft eval calls it
 
 
 def _long_prompt_data(tmp_path: Path) -> Path:
@@ -212,16 +212,16 @@ def test_eval_refuses_a_prompt_past_the_context_before_generating(tiny_model_dir
 def test_eval_names_fewer_shots_that_fit_and_they_run(tiny_model_dir, tmp_path, monkeypatch):
     """--fewshot 8 makes every synthetic prompt a few thousand characters: refused, naming the shots that fit;
     eval with those shots then runs."""
-    import delft.evaluation.generation as generation
+    import delft.evaluation.model_scores as model_scores
 
-    real = generation.generate
-    monkeypatch.setattr(generation, "generate", lambda *a, **k: pytest.fail("generated past the context"))
+    real = model_scores.generate
+    monkeypatch.setattr(model_scores, "generate", lambda *a, **k: pytest.fail("generated past the context"))
     args = ["eval", "--model", tiny_model_dir, "--data", "synthetic", "--limit", "2", *FAST]
     text = refused(run_cli(*args, "--fewshot", "8"), "2 of 2 prompts do not fit", "context of 512 tokens",
                    "Use fewer exemplars (--fewshot ")
     shots = int(text.split("Use fewer exemplars (--fewshot ")[1].split(" ")[0])
     assert 0 <= shots < 8
-    monkeypatch.setattr(generation, "generate", real)
+    monkeypatch.setattr(model_scores, "generate", real)
     r = run_cli(*args, "--fewshot", str(shots))
     assert r.exit_code == 0, r.output
 

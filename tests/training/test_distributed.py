@@ -266,9 +266,9 @@ def _alive(pid: int) -> bool:
 def test_more_processes_than_devices_are_refused_before_any_launch(tmp_path, tiny_model_dir, monkeypatch):
     from helpers import run_cli
 
-    import delft.training.distributed as dist
+    import delft.training.command as train_command
 
-    monkeypatch.setattr(dist, "relaunch", lambda *a: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(train_command, "relaunch", lambda *a: (_ for _ in ()).throw(AssertionError("launched")))
     recipe = recipe_file(tmp_path, tiny_model_dir, name="many", model={"device": "cpu"})
     r = run_cli("train", recipe, "--nproc", str((os.cpu_count() or 1) + 62))
     assert r.exit_code == 2 and "more processes than this machine has devices" in " ".join(r.output.split()), r.output
