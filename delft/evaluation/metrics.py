@@ -1,6 +1,6 @@
 """Metrics over scored answers: the metric table every reader shows them from, percentile and paired bootstrap
-intervals, one model's summary (exact and tolerance match, errors, per-place digit accuracy), paired differences,
-and the smallest detectable difference of a paired comparison.
+intervals, one model's summary (exact and tolerance match, errors, per-place digit accuracy) and paired differences
+(the tests with the seed as the unit are delft.experiments.seed_tests).
 """
 
 from __future__ import annotations
@@ -174,82 +174,3 @@ def differences(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], resa
     """b minus a in each PAIRED metric (paired bootstrap over the same problems): ``flags`` tuples, or
     per-problem rates averaged over seeds."""
     return {m.key: paired_difference(x, y, resamples, BOOTSTRAP_SEED) for m, x, y in zip(PAIRED, a, b)}
-
-
-# The minimal detectable difference: a two-sided 5 % test with 80 % power sees a true difference of
-# (z_0.975 + z_0.8) standard errors; the standard error is read off the paired bootstrap's 95 % interval.
-Z_LEVEL, Z_POWER = 1.959964, 0.841621
-UNDETECTABLE = float("inf")  # mdd of a comparison whose answers never differ: it can detect nothing
-
-
-def mdd(ci: Optional[Sequence[float]]) -> Optional[float]:
-    """The smallest true difference a paired comparison with this 95 % interval detects with 80 % power;
-    None without an interval, and ``UNDETECTABLE`` when the interval has no width: no pair of answers differed
-    (every model scored 0, say), so the set carries no information about a difference, not perfect power."""
-    if not ci:
-        return None
-    width = ci[1] - ci[0]
-    if width <= 0:
-        return UNDETECTABLE
-    return (Z_LEVEL + Z_POWER) * width / (2 * Z_LEVEL)
-
-
-# ----------------------------------------------------------------------------- seeds as the unit, and many tests
-
-
-def hierarchical_difference(ref: Sequence[Sequence[float]], arm: Sequence[Sequence[float]], resamples: int = 2000,
-                            seed: int = 0, level: float = 0.95) -> dict:
-    """arm minus ref with seed variance in the interval: each resample draws seeds (pairs: seed s of both), then
-    problems (the same ones for both), with replacement. ``ref`` / ``arm``: per seed, a per-problem score list.
-
-    Returns the difference of the means, its percentile interval and a two-sided bootstrap p-value (twice the
-    share of resampled differences on the far side of 0, at most 1)."""
-    import numpy as np
-
-    a, b = np.asarray(ref, dtype=np.float64), np.asarray(arm, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 2:
-        raise ValueError("hierarchical_difference needs [seeds x problems] scores of the same shape for both")
-    rng = np.random.default_rng(seed)
-    n_seeds, n = a.shape
-    diffs = np.empty(resamples)
-    for r in range(resamples):
-        s = rng.integers(0, n_seeds, size=n_seeds)
-        p = rng.integers(0, n, size=n)
-        diffs[r] = (b[s][:, p] - a[s][:, p]).mean()
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(diffs, [alpha, 1 - alpha])
-    point = float((b - a).mean())
-    far = (diffs <= 0).mean() if point > 0 else (diffs >= 0).mean()
-    return {"difference": point, "ci": [float(lo), float(hi)], "p": float(min(1.0, 2 * far))}
-
-
-# Student's t 97.5 % quantiles for 1-10 degrees of freedom (a study has few seeds); the normal's beyond.
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-
-
-def t_975(df: int) -> float:
-    return T_975[df - 1] if df <= len(T_975) else Z_LEVEL
-
-
-def seed_level_difference(ref: Sequence[Sequence[float]], arm: Sequence[Sequence[float]]) -> dict:
-    """The seed as the unit: each seed's mean difference, their mean and a t interval over seeds (n - 1 degrees
-    of freedom; None for one seed). Wide with few seeds, as it should be."""
-    per_seed = [float(sum(y) / len(y) - sum(x) / len(x)) for x, y in zip(ref, arm)]
-    k = len(per_seed)
-    mean = sum(per_seed) / k
-    if k < 2:
-        return {"per_seed": per_seed, "difference": mean, "ci": None}
-    sd = (sum((d - mean) ** 2 for d in per_seed) / (k - 1)) ** 0.5
-    half = t_975(k - 1) * sd / k ** 0.5
-    return {"per_seed": per_seed, "difference": mean, "ci": [mean - half, mean + half]}
-
-
-def holm(pvalues: Sequence[float]) -> list[float]:
-    """Holm's step-down adjustment of ``pvalues`` (family-wise error), in their order."""
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted

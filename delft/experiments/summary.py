@@ -4,14 +4,17 @@ difference each comparison can detect), then every set's full tables.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
-from delft.evaluation.metrics import PAIRED, mdd
+from delft.evaluation.metrics import PAIRED
 from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
 from delft.experiments.curves import curve_lines
+from delft.experiments.power import plan_lines
 from delft.experiments.results import markdown_set
 from delft.experiments.seed_level import (
+    MARGIN,
     TABLES_HEADING,
     analyse,
     analysis_text,
@@ -21,6 +24,7 @@ from delft.experiments.seed_level import (
     verdict_lines,
 )
 from delft.outputs import pct, write_atomic
+from delft.recipe.files import read_yaml
 
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode; a greedy set's
 # are the metrics every comparison differences (delft.evaluation.metrics.PAIRED).
@@ -40,15 +44,6 @@ def _signed(d: Optional[dict], scale: float) -> str:
     return f"{scale * d['difference']:+.{digits}f}{span}"
 
 
-def _mdd(d: Optional[dict], scale: float) -> str:
-    value = mdd(d.get("ci")) if d else None
-    if value is None:
-        return "-"
-    if value == float("inf"):
-        return "cannot detect (no answers differ)"
-    return f"{scale * value:.{1 if scale == 100 else 3}f}"
-
-
 def _pick(diff: Optional[dict], mode: str, spec: tuple) -> Optional[dict]:
     if not diff:
         return None
@@ -66,15 +61,16 @@ def _pooled(sec: dict, seeds: list[int]) -> list[tuple[str, Optional[dict]]]:
 
 
 def headline(key: str, sec: dict, seeds: list[int]) -> list[str]:
-    """Per compared recipe: its difference from the reference on each seed and pooled, and the pooled MDD."""
+    """Per compared recipe: its difference from the reference on each seed and pooled over seeds (intervals over
+    problems only: what the seeds can detect is the seed-level section's)."""
     mode = sec["settings"]["mode"]
     ref = sec["settings"]["reference"]
     specs = GREEDY_HEADLINE if mode == "greedy" else TEACHER_HEADLINE
     by = {(m["recipe"], m["seed"]): m for m in sec["models"]}
     lines = [f"#### {key} ({sec['settings']['n']} problems, {mode.replace('_', '-')}): difference from {ref}", "",
              "| recipe | metric | " + " | ".join(f"seed {s}" for s in seeds)
-             + " | pooled [95 % CI] | detectable (pooled) |",
-             "|---|---|" + "---|" * (len(seeds) + 2)]
+             + " | pooled [95 % CI over problems] |",
+             "|---|---|" + "---|" * (len(seeds) + 1)]
     for name, vs_ref in _pooled(sec, seeds):
         if vs_ref is None:
             continue
@@ -83,7 +79,7 @@ def headline(key: str, sec: dict, seeds: list[int]) -> list[str]:
             cells = [_signed(_pick(by[(name, s)]["vs_reference"], mode, spec), scale) for s in seeds]
             pooled = _pick(vs_ref, mode, spec)
             lines.append(f"| {name} | {label} | " + " | ".join(cells)
-                         + f" | {_signed(pooled, scale)} | {_mdd(pooled, scale)} |")
+                         + f" | {_signed(pooled, scale)} |")
     lines.append("")
     return lines
 
@@ -136,10 +132,12 @@ def study_summary(report: dict) -> str:
                      f"{loss['normalisation'] if digit else '-'} | {loss['place_weights'] if digit else '-'} |")
     lines += ["", "## Differences from the reference", "",
               "Paired bootstrap over the same problems (95 % CI). Pooled: each problem's score averaged over the "
-              "seeds first. Detectable: the smallest true difference this comparison finds with 80 % power at "
-              "the 5 % level, (1.96 + 0.84) standard errors, the standard error read off the interval.", ""]
+              "seeds first. These intervals resample problems only and leave the variation between seeds out, so "
+              "they are narrower than what the study can tell apart: the verdicts and the detectable differences "
+              "are the next section's, with the seed as the unit.", ""]
     for key, sec in report["evals"].items():
         lines += headline(key, sec, seeds)
+    lines += plan_lines(report["settings"].get("plan"))
     lines += seed_level_lines(report.get("seed_level", []))
     lines += flip_lines(report.get("flips") or flips(report))
     lines += curve_lines(report.get("curves") or {})
@@ -153,15 +151,23 @@ def study_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _margin_stated(study_file: Optional[str]) -> Optional[bool]:
+    """Whether a study file states its margin (for a study.json written before delft recorded it); None when the
+    file is gone."""
+    path = Path(study_file) if study_file else None
+    if path is None or not path.is_file():
+        return None
+    return "margin" in (read_yaml(path) or {})
+
+
 def rewrite(out: Path) -> None:
     """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code,
     and write study.json, summary.md and tables.txt's block on them again (each whole or not at all): ``python -m delft.experiments.summary OUT``."""
-    import json
-
     out = Path(out)
     report = json.loads((out / "study.json").read_text())
     settings = report["settings"]
-    report.update(analyse(report, settings.get("controls") or [], settings.get("margin", 3.0)))
+    report.update(analyse(report, settings.get("controls") or [], settings.get("margin", MARGIN),
+                          settings.get("margin_stated", _margin_stated(report.get("study")))))
     tables = (out / "tables.txt").read_text() if (out / "tables.txt").exists() else ""
     if TABLES_HEADING in tables:  # an earlier analysis block: replaced, from the start of its title's line
         tables = tables[:tables.rfind("\n", 0, tables.index(TABLES_HEADING)) + 1]

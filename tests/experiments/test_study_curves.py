@@ -9,7 +9,7 @@ from rich.console import Console
 
 from delft.errors import UserError
 from delft.experiments.curves import curve_of, trapezoid
-from delft.experiments.seed_level import verdict_lines, verdicts
+from delft.experiments.seed_level import seed_analysis, verdict_lines, verdicts
 from delft.experiments.study import run_study
 
 DESCRIPTION = "Asks whether del_prob learns faster than CE. Confirmed: +3 points on every seed, Holm p < 0.05."
@@ -95,38 +95,78 @@ def test_the_area_is_the_mean_exact_match_over_training():
     assert c["recipes"]["del"]["auc"][0] == pytest.approx(0.75)
 
 
-def _row(recipe, per_seed, ci, holm_p, metric="exact_match"):
-    return {"set": "s", "metric": metric, "recipe": recipe, "seed_level": {"per_seed": per_seed, "ci": ci},
-            "hierarchical": {"difference": sum(per_seed) / len(per_seed)}, "holm_p": holm_p}
+def _row(recipe, per_seed, ci, holm_p, metric="exact_match", levels=(0.3, 0.35)):
+    return {"set": "s", "metric": metric, "recipe": recipe, "difference": sum(per_seed) / len(per_seed),
+            "t_test": {"per_seed": per_seed, "ci": ci}, "holm_p": holm_p,
+            "levels": {"reference": levels[0], "recipe": levels[1]}}
+
+
+UP = _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01)  # a control that moved up
+DOWN = _row("ntl", [-0.1] * 3, [-0.15, -0.05], 0.01)  # significant, the wrong way
+STILL = _row("ntl", [0.0] * 3, [-0.01, 0.01], 0.8)
 
 
 @pytest.mark.parametrize("arm,control,expected", [
-    (_row("del", [0.05, 0.04, 0.06], [0.03, 0.07], 0.01), _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01), "confirmed"),
-    (_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01), "refuted"),
-    (_row("del", [-0.05, -0.06, -0.04], [-0.08, -0.02], 0.02), _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01),
-     "refuted"),
-    (_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), _row("ntl", [0.0] * 3, [-0.01, 0.01], 0.8),
-     "not readable"),
-    (_row("del", [0.05, -0.03, 0.06], [-0.1, 0.15], 0.3), _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01),
-     "inconclusive"),
-    (_row("del", [0.04, 0.02, 0.06], [0.0, 0.08], 0.01), _row("ntl", [0.1] * 3, [0.05, 0.15], 0.01),
-     "inconclusive"),  # p is small, but one seed gained less than the margin
+    (_row("del", [0.05, 0.04, 0.06], [0.03, 0.07], 0.01), UP, "better"),
+    (_row("del", [0.04, 0.02, 0.06], [0.0, 0.08], 0.01), STILL, "better"),  # significant stands on its own
+    (_row("del", [-0.05, -0.06, -0.04], [-0.08, -0.02], 0.02), UP, "worse"),  # not "refuted": worse
+    (_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), UP, "equivalent"),
+    (_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), STILL, "not readable"),
+    (_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), DOWN, "not readable"),  # a control must move *up*
+    (_row("del", [0.05, -0.03, 0.06], [-0.1, 0.15], 0.3), UP, "inconclusive"),
 ])
 def test_verdicts_follow_the_stated_rules(arm, control, expected):
-    v = verdicts([arm, control], ["ntl"], 3.0)
+    v = verdicts([arm, control], ["ntl"], 3.0, True)
     assert [a["verdict"] for a in v["arms"]] == [expected]
-    assert bool(v["controls"]["ntl"]) == (control["holm_p"] < 0.05)
+    assert [m["moved"] for m in v["controls"]["ntl"]] == [{UP["holm_p"]: "up"}.get(control["holm_p"], "no")
+                                                          if control is not DOWN else "down"]
+    assert v["rules"]["margin_points"] == {"value": 3.0, "from": "study file"}
+
+
+def test_a_control_moving_on_another_set_does_not_license_this_one():
+    arm = {**_row("del", [0.01, -0.01, 0.0], [-0.02, 0.02], 0.9), "set": "long"}
+    v = verdicts([arm, UP], ["ntl"], 3.0, False)
+    assert v["arms"][0]["verdict"] == "not readable" and v["rules"]["margin_points"]["from"] == "delft's default"
+    assert "margin 3 points (delft's default: the study file states none)" in "\n".join(verdict_lines(v))
 
 
 def test_a_floor_is_not_read_as_no_effect():
-    """Both sides at 0 % everywhere: the interval is [0, 0], inside the margin, but nothing could have moved."""
-    floor = {**_row("del", [0.0, 0.0], [0.0, 0.0], 1.0), "levels": {"reference": 0.0, "recipe": 0.0}}
-    level = {**_row("del", [0.0, 0.01], [-0.01, 0.02], 0.9), "levels": {"reference": 0.3, "recipe": 0.31}}
-    v = verdicts([floor, level], [], 3.0)
-    assert [a["verdict"] for a in v["arms"]] == ["not readable", "refuted"]
-    assert "declares no control" in "\n".join(verdict_lines(v))  # an uncontrolled refutation says so
-    with_control = verdicts([level, _row("ntl", [0.1] * 2, [0.05, 0.15], 0.01)], ["ntl"], 3.0)
+    """A side below 2 % (not only exactly 0): the interval may sit inside the margin, but nothing could have moved.
+    The scratch study's case: CE 0/600, del_prob 1/600, once read as "refuted"."""
+    floor = _row("del", [0.0, 0.0033], [-0.02, 0.025], 0.5, levels=(0.0, 1 / 600))
+    level = _row("del", [0.0, 0.01], [-0.01, 0.02], 0.9)
+    v = verdicts([floor, level], [], 3.0, True)
+    assert [a["verdict"] for a in v["arms"]] == ["not readable", "equivalent"]
+    assert "floor" in v["arms"][0]["why"]
+    assert "declares no control" in "\n".join(verdict_lines(v))  # an uncontrolled equivalence says so
+    with_control = verdicts([level, UP], ["ntl"], 3.0, True)
     assert "declares no control" not in "\n".join(verdict_lines(with_control))
+
+
+def test_verdicts_are_decided_by_the_t_test_over_seeds_not_the_bootstrap():
+    """The scratch study's del_prob case: seeds that differ a lot. A bootstrap over 2 seeds is sure of an
+    effect; the t test over seeds is not, so nothing is called better."""
+
+    def model(recipe, seed, right):
+        return {"recipe": recipe, "seed": seed, "predictions": [{"exact": i < right} for i in range(300)]}
+
+    report = {"evals": {"s": {"settings": {"mode": "greedy", "reference": "ce"}, "problems": [{}] * 300,
+                              "models": [model("ce", 0, 100), model("ce", 1, 60),
+                                         model("del", 0, 170), model("del", 1, 70)]}}}
+    rows = seed_analysis(report)
+    assert rows[0]["bootstrap"]["p"] < 0.05 < rows[0]["t_test"]["p"] == rows[0]["holm_p"]
+    assert verdicts(rows, [], 3.0, True)["arms"][0]["verdict"] == "inconclusive"
+
+
+def test_a_missing_seed_is_an_error_not_a_dropped_row():
+
+    def model(recipe, seed):
+        return {"recipe": recipe, "seed": seed, "predictions": [{"exact": True}, {"exact": False}]}
+
+    report = {"evals": {"s": {"settings": {"mode": "greedy", "reference": "ce"}, "problems": [{}] * 2,
+                              "models": [model("ce", 0), model("ce", 1), model("del", 0)]}}}
+    with pytest.raises(UserError, match=r"del has seeds \[0\] where the reference ce has \[0, 1\]"):
+        seed_analysis(report)
 
 
 def test_flips_count_changed_verdicts_against_the_same_seed_and_between_reference_seeds():
@@ -157,8 +197,8 @@ def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
 
     def study(name, prefix, hidden, diff):
         row = {"set": "held_out", "recipe": f"{prefix}del_prob", "metric": "exact_match", "seeds": [0, 1],
-               "hierarchical": {"difference": diff, "ci": [diff - 0.02, diff + 0.02], "p": 0.2}, "holm_p": 0.4,
-               "seed_level": {"per_seed": [diff - 0.01, diff + 0.01], "ci": None}}
+               "difference": diff, "bootstrap": {"ci": [diff - 0.01, diff + 0.01], "p": 0.2}, "holm_p": 0.4,
+               "t_test": {"per_seed": [diff - 0.01, diff + 0.01], "ci": [diff - 0.02, diff + 0.02]}}
         other = {**row, "recipe": f"{prefix}del"}
         d = tmp_path / name
         d.mkdir()
