@@ -27,6 +27,11 @@ DEBUG = os.environ.get("DELFT_DEBUG") == "1"
 SET_HELP = "Override a recipe key, e.g. --set train.max_steps=50 (repeatable)."
 
 
+def _allow_seen_option():
+    return typer.Option(False, "--allow-seen", help="Score an eval set even when more than half of it is a run's "
+                        "training data (counted by prompt; refused otherwise). The unseen problems are scored beside.")
+
+
 # How answers are decoded, on eval, compare and study alike: shorthands for --set eval.KEY=VALUE.
 def _fewshot_option():
     return typer.Option(None, "--fewshot", min=0, max=8, help="lm-evaluation-harness's GSM8K prompt with N exemplars "
@@ -178,6 +183,7 @@ def eval_(
     backend: Optional[str] = typer.Option(
         None, "--backend", help="What runs a .gguf --model: transformers (dequantised, the default) or llama.cpp "
         "(the file as people run it). GGUF files given as runs always run in llama.cpp."),
+    allow_seen: bool = _allow_seen_option(),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ):
     """Numeric accuracy of the base model, adapters, merged models and GGUF files, side by side."""
@@ -187,6 +193,7 @@ def eval_(
     chosen = [f"eval.backend={backend}"] if backend is not None else []
     run_eval(recipe_path=recipe, runs=runs, model=model, data=data, data_format=format, limit=limit,
              include_base=not no_base, json_out=json_out, plot=plot, console=console, teacher_forced=teacher,
+             allow_seen=allow_seen,
              overrides=[*decoding_overrides(fewshot, samples, temperature, top_p), *chosen, *set_])
 
 
@@ -265,6 +272,7 @@ def compare(
     no_transfer: bool = typer.Option(
         False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
+    allow_seen: bool = _allow_seen_option(),
     fewshot: Optional[int] = _fewshot_option(),
     samples: Optional[int] = _samples_option(),
     temperature: Optional[float] = _temperature_option(),
@@ -276,7 +284,8 @@ def compare(
     set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
-                transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force)
+                transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force,
+                allow_seen=allow_seen)
 
 
 @app.command()
@@ -288,6 +297,7 @@ def study(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in the study's out (as a set)."),
+    allow_seen: bool = _allow_seen_option(),
     fewshot: Optional[int] = _fewshot_option(),
     samples: Optional[int] = _samples_option(),
     temperature: Optional[float] = _temperature_option(),
@@ -297,7 +307,8 @@ def study(
     from delft.experiments.study import run_study
 
     set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
-    run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force)
+    run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force,
+              allow_seen=allow_seen)
 
 
 @recipe_app.command("check")

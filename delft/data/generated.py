@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import random
+from collections.abc import Collection
 from decimal import Decimal
+from typing import Optional
 
-from delft.data.sources import Example, format_number
+from delft.data.sources import Example, format_number, normalised_prompt
 from delft.errors import UserError
 from delft.numbers.digits import exact_context
 
@@ -27,15 +29,46 @@ def _operand(rng: random.Random, cfg, decimals: int, second: bool = False) -> De
     return value
 
 
-def synthetic_examples(cfg) -> list[Example]:
+# How far a generator draws past the problems it skips: it gives up after this many draws per problem asked for
+# (plus the spare), when the skipped prompts hold nearly every problem its settings can make.
+DRAWS_PER_PROBLEM, SPARE_DRAWS = 20, 1000
+
+
+def draws_allowed(wanted: int, exclude: Collection[str]) -> int:
+    """Draws a generator may make for ``wanted`` problems: exactly that many when nothing is skipped (so a
+    training set is what it always was), more when ``exclude`` may skip some."""
+    return wanted * DRAWS_PER_PROBLEM + SPARE_DRAWS if exclude else wanted
+
+
+def too_few(got: int, wanted: int, draws: int, where: str) -> UserError:
+    return UserError(f"the generator gave only {got} of the {wanted} problems asked for in {draws} draws: the "
+                     "training set holds nearly every other problem these settings can make", where,
+                     "Ask for fewer eval problems (limit), or widen the generator (more digits, more operations) "
+                     "so that problems the model has not trained on exist.")
+
+
+def synthetic_examples(cfg, exclude: Collection[str] = frozenset(), count: Optional[int] = None,
+                       where: str = "data") -> list[Example]:
     """Seeded arithmetic problems with exact answers (division is generated from its quotient; "copy" asks to
-    repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits."""
+    repeat one operand). Arithmetic runs in an exact context: operands may have up to 30 digits.
+
+    ``count`` (at most ``cfg.n``, default all) problems, none whose normalised prompt is in ``exclude``: the
+    generator draws on past a skipped problem, so an eval set keeps its size and stays the same for the same
+    arguments (its first N are the set of N)."""
     rng = random.Random(cfg.seed)
-    out = []
+    wanted = cfg.n if count is None else min(count, cfg.n)
+    draws = draws_allowed(wanted, exclude)
+    out: list[Example] = []
     with exact_context():
-        for i in range(cfg.n):
+        for _ in range(draws):
+            if len(out) == wanted:
+                break
             question, answer = _synthetic_problem(rng, cfg)
-            out.append(Example(question, answer, answer, i))
+            if exclude and normalised_prompt(question) in exclude:
+                continue
+            out.append(Example(question, answer, answer, len(out)))
+    if len(out) < wanted:
+        raise too_few(len(out), wanted, draws, f"{where}.synthetic")
     return out
 
 
@@ -58,9 +91,10 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
 RG_INSTALL = 'pip install "delft-digits[reasoning]" (reasoning-gym, whose generators need no download)'
 
 
-def reasoning_gym_dataset(cfg, where: str = "data"):
-    """reasoning-gym's generated dataset for ``cfg`` (a ReasoningGymConfig); a missing package, an unknown task or
-    option is a UserError naming it."""
+def reasoning_gym_dataset(cfg, where: str = "data", size: Optional[int] = None):
+    """reasoning-gym's generated dataset for ``cfg`` (a ReasoningGymConfig), ``size`` items (default ``cfg.n``;
+    its items are made one at a time as they are read); a missing package, an unknown task or option is a
+    UserError naming it."""
     try:
         import reasoning_gym
         from reasoning_gym.factory import DATASETS
@@ -79,21 +113,32 @@ def reasoning_gym_dataset(cfg, where: str = "data"):
         raise UserError(f"reasoning-gym task {cfg.task} has no option(s) {', '.join(unknown)}",
                         f"{where}.reasoning_gym.options", f"Its options: {', '.join(sorted(fields))}.")
     try:
-        return reasoning_gym.create_dataset(cfg.task, size=cfg.n, seed=cfg.seed, **cfg.options)
+        return reasoning_gym.create_dataset(cfg.task, size=size or cfg.n, seed=cfg.seed, **cfg.options)
     except (AssertionError, ValueError, TypeError) as e:  # its configs validate with assert
         raise UserError(f"reasoning-gym refused the options of {cfg.task}: {e or type(e).__name__}",
                         f"{where}.reasoning_gym.options", "Check the values against the task's config.") from None
 
 
-def reasoning_gym_examples(cfg, where: str = "data") -> list[Example]:
+def reasoning_gym_examples(cfg, where: str = "data", exclude: Collection[str] = frozenset(),
+                           count: Optional[int] = None) -> list[Example]:
     """The generated problems as examples: the question as prompt, the answer (or the worked solution, with
-    ``completion: cot`` where the task has one) as completion, the entry kept for the task's own scorer."""
-    out = []
-    for i, entry in enumerate(reasoning_gym_dataset(cfg, where)):
+    ``completion: cot`` where the task has one) as completion, the entry kept for the task's own scorer.
+    ``count`` and ``exclude`` as in synthetic_examples: skipped questions are replaced by the items after them."""
+    wanted = cfg.n if count is None else min(count, cfg.n)
+    draws = draws_allowed(wanted, exclude)
+    out: list[Example] = []
+    for entry in reasoning_gym_dataset(cfg, where, draws if exclude else None):
+        if len(out) == wanted:
+            break
+        if exclude and normalised_prompt(str(entry["question"])) in exclude:
+            continue
         answer = str(entry["answer"])
         cot = (entry.get("metadata") or {}).get("answer_cot")
         if cfg.completion == "cot" and not cot:
             raise UserError(f"reasoning-gym task {cfg.task} has no worked solutions (metadata answer_cot)",
                             f"{where}.reasoning_gym.completion", "Use completion: answer (gsm_symbolic has them).")
-        out.append(Example(str(entry["question"]), str(cot) if cfg.completion == "cot" else answer, answer, i, entry))
+        out.append(Example(str(entry["question"]), str(cot) if cfg.completion == "cot" else answer, answer,
+                           len(out), entry))
+    if len(out) < wanted:
+        raise too_few(len(out), wanted, draws, f"{where}.reasoning_gym")
     return out

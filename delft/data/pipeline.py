@@ -4,6 +4,7 @@ split off validation, tokenize, and count what was kept."""
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,11 +15,15 @@ from delft.errors import UserError
 from delft.numbers.tokens import IGNORE
 
 
-def load_examples(cfg, where: str = "data") -> list[Example]:
+def load_examples(cfg, where: str = "data", exclude: Collection[str] = frozenset()) -> list[Example]:
+    """The data section's examples (its first ``limit``). A generated source skips every problem whose normalised
+    prompt (delft.data.sources.normalised_prompt) is in ``exclude`` and draws on in its place, so an eval set
+    holds no training problem and keeps its size; a file or hub set is taken as given (its training problems
+    are counted by the commands that score it, not removed)."""
     if cfg.format == "synthetic":
-        examples = synthetic_examples(cfg.synthetic)[: cfg.limit]
+        examples = synthetic_examples(cfg.synthetic, exclude, cfg.limit, where)
     elif cfg.format == "reasoning_gym":
-        examples = reasoning_gym_examples(cfg.reasoning_gym, where)[: cfg.limit]
+        examples = reasoning_gym_examples(cfg.reasoning_gym, where, exclude, cfg.limit)
     else:
         rows, label = load_rows(cfg, where)
         examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]

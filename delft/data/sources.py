@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import unicodedata
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -43,6 +44,22 @@ class Example:
     answer: Optional[str] = None  # numeric gold as text, for eval
     row: int = 0  # row in the source (for error messages)
     item: Any = None  # a generated problem's own record (reasoning-gym's entry, which its score_answer reads)
+
+
+def normalised_prompt(prompt: Union[str, list[dict]]) -> str:
+    """The text that says which problem an example asks, the one key for "this eval problem is a training problem"
+    (counted by delft eval, compare and study; skipped when a generated eval set is drawn).
+
+    Every run of whitespace becomes one space and the ends are stripped: files of one data set differ in line
+    ends, indentation and trailing newlines, and the template lays the prompt out anew anyway. Unicode is put in
+    NFC, so one character written two ways is one. Case is kept: it is part of what the model reads, copies of a
+    problem keep it, and folding it would merge problems that differ in it (a letter to count, a variable name).
+    A chat prompt is its messages' contents in order, system messages left out: a system message is a fixed
+    instruction, not the problem (other formats get theirs from data.system_prompt, outside the example too).
+    """
+    if isinstance(prompt, list):
+        prompt = "\n".join(str(m.get("content", "")) for m in prompt if m.get("role") != "system")
+    return " ".join(unicodedata.normalize("NFC", str(prompt)).split())
 
 
 def format_number(value: Decimal) -> str:

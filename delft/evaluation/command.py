@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 
 from delft.errors import UserError
+from delft.evaluation.contamination import counted, generated_exclusion, score_unseen, seen_lines
 from delft.evaluation.metrics import EXACT_MATCH, METRICS, PASS_1, SAMPLING, differences, flags, paired_difference
 from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.problems import (
@@ -95,9 +96,11 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
              data: Optional[str] = None, data_format: Optional[str] = None, limit: Optional[int] = None,
              include_base: bool = True, json_out: Optional[Path] = None, plot: Optional[Path] = None,
              overrides: Sequence[str] = (), console: Optional[Console] = None,
-             teacher_forced: bool = False) -> list[ModelResult]:
+             teacher_forced: bool = False, allow_seen: bool = False) -> list[ModelResult]:
     """Evaluate the base model (unless ``include_base`` is False) and every run; print, and write JSON / PNG.
-    ``teacher_forced`` adds delft.evaluation.teacher_forced's metrics on the gold completions (table, JSON, a second PNG)."""
+    ``teacher_forced`` adds delft.evaluation.teacher_forced's metrics on the gold completions (table, JSON, a second PNG).
+    A generated set is drawn without the recipe's and the runs' training problems; a set that is mostly one run's
+    training problems is refused unless ``allow_seen`` (delft.evaluation.contamination)."""
     console = console or Console()
     cfg, base, data_cfg, limit, runs = resolve_settings(recipe_path, runs, model, data, data_format, limit,
                                                         overrides, console)
@@ -109,17 +112,24 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     check_output_files({"--json": json_out, "--plot": plot})
     if teacher_forced:
         check_teacher_tokenizer(base)
-    problems, skipped = load_problems(data_cfg, console)
+    problems, skipped = load_problems(data_cfg, console, generated_exclusion(
+        data_cfg, [cfg.data] if recipe_path is not None else [], [str(r) for r in runs]))
     adapters: list[Optional[str]] = ([None] if include_base else []) + [str(r) for r in runs]
+    names = column_names(runs, include_base)
+    seen = counted(problems, dict(zip(names, adapters)), f"the eval set ({describe_source(data_cfg)})",
+                   "eval.data" if data is None else "--data", allow_seen)
     title = f"delft eval: {len(problems)} problems from {describe_source(data_cfg)}, base model {base}"
     settings = {"base_model": base, "runs": [str(r) for r in runs], "limit": limit,
-                **settings_block(data_cfg, cfg, len(problems), skipped), "teacher_forced": teacher_forced}
+                **settings_block(data_cfg, cfg, len(problems), skipped), "teacher_forced": teacher_forced,
+                "allow_seen": allow_seen}
     done: list[ModelResult] = []
     try:
-        results = evaluate_models(list(zip(column_names(runs, include_base), adapters)), base, problems, data_cfg,
-                                  cfg, console, done, teacher_forced)
+        results = evaluate_models(list(zip(names, adapters)), base, problems, data_cfg, cfg, console, done,
+                                  teacher_forced)
     except UserError as e:
         raise keep_finished(e, done, problems, settings, json_out, console) from None
+    for r in results:
+        r.contamination = score_unseen(seen[r.name], problems, r.scored)
     if include_base:
         for r in results[1:]:
             r.vs_base = versus(results[0], r, cfg.eval.bootstrap)
@@ -127,9 +137,18 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
     console.print(render_table(results, title, shows_harness_scores(data_cfg, cfg.eval)))
     for r in results[1:] if include_base else []:
         console.print(difference_line(r))
+    for line in seen_lines({r.name: r.contamination for r in results}):
+        console.print(line, highlight=False)
     if teacher_forced:
         print_teacher(results, include_base, cfg.eval.bootstrap, console)
+    _write_outputs(results, problems, settings, json_out, plot, title, teacher_forced, console)
+    return results
 
+
+def _write_outputs(results: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,
+                   json_out: Optional[Path], plot: Optional[Path], title: str, teacher_forced: bool,
+                   console: Console) -> None:
+    """--json and --plot (and with --teacher-forced the second plot)."""
     if json_out is not None:
         write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
         console.print(f"[green]wrote[/] {json_out}")
@@ -141,4 +160,3 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
             write_teacher_plot([r.name for r in results], [r.teacher_metrics for r in results], second,
                                f"teacher-forced on the gold completions: {title}")
             console.print(f"[green]wrote[/] {second}")
-    return results

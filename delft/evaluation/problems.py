@@ -1,9 +1,11 @@
-"""The eval set: problems (prompt, gold number) from a recipe's data section, kept disjoint from the training
-problems, and the settings block every report records.
+"""The eval set: problems (prompt, gold number) from a recipe's data section, and the settings block every
+report records. A generated set is drawn without the training problems (``exclude``: their normalised prompts,
+delft.evaluation.contamination); a file or hub set is read as given, and the commands count its training problems.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -29,8 +31,9 @@ class Problem:
 
 
 def disjoint_from_training(data_cfg, train_data):
-    """``data_cfg``, its synthetic seed moved by EVAL_SEED_OFFSET where it would repeat the training problems
-    (an eval set equal to them would measure memorisation)."""
+    """``data_cfg``, its generator's seed moved by EVAL_SEED_OFFSET where it equals the training seed, so the eval
+    draw does not start with the training problems. A seed alone does not keep them out (two seeds' draws share
+    every problem a small space repeats): the problems are excluded by content when the set is drawn."""
     if (data_cfg.source == "synthetic" and train_data.source == "synthetic"
             and data_cfg.synthetic.seed == train_data.synthetic.seed):
         data_cfg.synthetic = data_cfg.synthetic.model_copy(update={"seed": data_cfg.synthetic.seed + EVAL_SEED_OFFSET})
@@ -41,9 +44,10 @@ def disjoint_from_training(data_cfg, train_data):
     return data_cfg
 
 
-def load_problems(data_cfg, console: Console) -> tuple[list[Problem], int]:
-    """The eval problems with numeric gold answers; (problems, number skipped for lack of an answer)."""
-    examples = load_examples(data_cfg, "eval.data")
+def load_problems(data_cfg, console: Console, exclude: Collection[str] = frozenset()) -> tuple[list[Problem], int]:
+    """The eval problems with numeric gold answers; (problems, number skipped for lack of an answer). A generated
+    set skips the normalised prompts in ``exclude`` (the training problems) and draws others in their place."""
+    examples = load_examples(data_cfg, "eval.data", exclude)
     problems, skipped = [], 0
     for i, ex in enumerate(examples):
         gold = parse_number(ex.answer) if ex.answer is not None else parse_number(ex.completion)

@@ -160,6 +160,7 @@ def to_json(results: Sequence[ModelResult], problems: Sequence[Problem], setting
                 "stop_strings": r.stop_strings,
                 "metrics": r.metrics,
                 "vs_base": r.vs_base,
+                "contamination": r.contamination,
                 **({"teacher_forced": {**r.teacher_metrics, "vs_base": r.teacher_vs_base}}
                    if r.teacher_metrics is not None else {}),
                 "predictions": predictions(r, problems),

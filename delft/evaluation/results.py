@@ -35,6 +35,7 @@ class ModelResult:
     teacher_vs_base: Optional[dict] = None
     samples: Optional[list[list[Scored]]] = None  # with eval.samples > 1: every sample scored, per problem
     sample_texts: Optional[list[list[str]]] = None  # ... and its text
+    contamination: Optional[dict] = None  # its training problems in the set (delft.evaluation.contamination)
 
 
 def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> tuple[bool, list[str], list[str]]:

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from delft import __version__
 from delft.errors import UserError
+from delft.evaluation.contamination import refuse_seen_before_training
 from delft.evaluation.report import write_plot
 from delft.evaluation.runs import check_runs, resolve_settings
 from delft.experiments.arms import Contender, check_seeds, reference_name, resolve_contenders, train_all
@@ -115,12 +116,12 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
                 transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
                 transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
                 transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False,
-                force: bool = False) -> dict:
+                force: bool = False, allow_seen: bool = False) -> dict:
     """Train what is missing, evaluate base + every run on the synthetic set (and ``transfer``), write the report.
 
     The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False). Results
-    already in ``out`` are refused before training unless ``force``, and then replaced as a set.
-    Returns the JSON report (also written to ``out/compare.json``).
+    already in ``out`` are refused before training unless ``force``, and then replaced as a set. A set that is
+    mostly a run's training data is refused unless ``allow_seen``. Returns the report (also ``out/compare.json``).
     """
     console = console or Console()
     seeds = check_seeds(seeds, "--seed")
@@ -136,6 +137,8 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     keys = ["synthetic"] + ([_transfer_key(transfer_cfg)] if transfer_cfg is not None else [])
     check_results_out(out, (REPORT, TABLES, SUMMARY), [_plot_path(out, k).name for k in keys],
                       [c.for_seed(s).output.dir for s in seeds for c in contenders], force, "--out")
+    if transfer_cfg is not None:
+        refuse_seen_before_training(transfer_cfg, cfg0.data, f"the transfer set {transfer}", "--transfer", allow_seen)
     command = _command(recipe_paths, seeds, out, overrides)
     runs, training = train_all(contenders, seeds, console, command)
 
@@ -144,12 +147,14 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
                                                     None, None, overrides, console)
     check_runs([str(p) for p in runs.values()], base)
     tables = tables_console()
-    sets = {"synthetic": evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables)}
+    sets = {"synthetic": evaluate_set("synthetic", synth_cfg, cfg0, base, contenders, seeds, runs, console, tables,
+                                      allow_seen=allow_seen)}
     if transfer_cfg is not None:
         tcfg = cfg0.model_copy(deep=True)
         tcfg.eval.max_new_tokens = transfer_max_new_tokens
         key = _transfer_key(transfer_cfg)
-        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables)
+        sets[key] = evaluate_set(key, transfer_cfg, tcfg, base, contenders, seeds, runs, console, tables,
+                                 allow_seen=allow_seen)
 
     report = json_ready({
         "delft_version": __version__,

@@ -28,6 +28,7 @@ from delft.evaluation.metrics import (
     place_order,
     summarize,
 )
+from delft.evaluation.contamination import counted, generated_exclusion, score_unseen, seen_lines
 from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.problems import BOOTSTRAP_SEED, describe_source, load_problems, settings_block
 from delft.evaluation.report import predictions, render_table
@@ -51,16 +52,26 @@ class Column:
     result: Any = None  # delft.evaluation.model_scores.ModelResult
     vs_base: Optional[dict] = None
     vs_reference: Optional[dict] = None
+    contamination: Optional[dict] = None  # its training problems in the set (delft.evaluation.contamination)
 
 
 def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: list[Contender],
                  seeds: list[int], runs: dict[tuple[str, int], Path], console: Console,
-                 tables: Console, command: str = "delft compare", loaded: Optional[tuple] = None) -> tuple[dict, list]:
-    """Every model on one eval set: tables, paired differences; (the JSON section, what its plot shows).
-    ``loaded`` is the set's (problems, skipped) when the caller loaded them already (study, before training)."""
-    problems, skipped = loaded if loaded is not None else load_problems(data_cfg, console)
+                 tables: Console, command: str = "delft compare", loaded: Optional[tuple] = None,
+                 allow_seen: bool = False) -> tuple[dict, list]:
+    """Every model on one eval set: tables, paired differences, each model's training problems in it
+    (delft.evaluation.contamination); (the JSON section, what its plot shows). ``loaded`` is the set's (problems,
+    skipped) when the caller loaded them already (study, before training: it refuses a mostly-seen set then);
+    otherwise a generated set is drawn without the recipe's training problems and a mostly-seen one is refused
+    unless ``allow_seen``."""
+    checked = loaded is not None  # its caller refused it then if it was mostly training data
+    if loaded is None:
+        loaded = load_problems(data_cfg, console, generated_exclusion(data_cfg, [recipe_cfg.data], []))
+    problems, skipped = loaded
     heading = f"{len(problems)} problems from {describe_source(data_cfg)}"
     columns = _columns(contenders, seeds, runs)
+    seen = counted(problems, {col.name: col.adapter for col in columns}, f"the {key} set ({heading})",
+                   f"{command}: the {key} set", allow_seen or checked)
     console.rule(f"[bold]{key}[/]: {heading}")
     start = time.perf_counter()
     results = evaluate_models([(col.name, col.adapter) for col in columns], base, problems, data_cfg, recipe_cfg,
@@ -68,11 +79,15 @@ def evaluate_set(key: str, data_cfg, recipe_cfg: Recipe, base: str, contenders: 
     seconds = time.perf_counter() - start
     for col, r in zip(columns, results):
         col.result = r
+        col.contamination = score_unseen(seen[col.name], problems, r.scored)
     ref_name = reference_name(contenders)
     boot = recipe_cfg.eval.bootstrap
     _pair_up(columns, ref_name, boot)
     means = _seed_means(columns, contenders, seeds, ref_name, boot)
     _show_tables(key, heading, columns, means, seeds, ref_name, console, tables, command)
+    for target in (console, tables):
+        for line in seen_lines({col.name: col.contamination for col in columns}):
+            target.print(line, highlight=False)
     section = _section(data_cfg, recipe_cfg, problems, skipped, columns, means, contenders, ref_name, seconds)
     return section, _plot_results(columns, means, seeds)
 
@@ -209,7 +224,7 @@ def _section(data_cfg, recipe_cfg: Recipe, problems: list, skipped: int, columns
         section["models"].append({
             "name": col.name, "recipe": col.recipe_name, "seed": col.seed, "adapter": col.adapter,
             "loss": losses.get(col.recipe_name), "metrics": r.metrics, "vs_base": col.vs_base,
-            "vs_reference": col.vs_reference, "predictions": preds})
+            "vs_reference": col.vs_reference, "contamination": col.contamination, "predictions": preds})
     return section
 
 

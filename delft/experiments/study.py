@@ -29,6 +29,7 @@ from delft import __version__
 from delft.data.fields import check_data_path
 from delft.data.sources import LOCAL_LOADERS
 from delft.errors import UserError
+from delft.evaluation.contamination import count_seen, refuse_mostly_seen, seen_record, training_prompts
 from delft.evaluation.model_scores import score_gold
 from delft.evaluation.problems import BOOTSTRAP_SEED, disjoint_from_training, load_problems, settings_block
 from delft.evaluation.report import teacher_table, write_plot
@@ -237,15 +238,21 @@ def _in_study(err: UserError, name: str, path: Path) -> UserError:
     return UserError(err.what, f"{path}: {where}", re.sub(recipe_key, key, err.fix) if err.fix else None)
 
 
-def load_sets(sets: dict[str, DataConfig], path: Path, console: Console) -> dict[str, tuple[list, int]]:
+def load_sets(sets: dict[str, DataConfig], path: Path, console: Console, train_data: DataConfig,
+              allow_seen: bool = False) -> dict[str, tuple[list, int]]:
     """Every eval set's problems, read and checked (a file that parses, numeric answers, a hub dataset that can be
-    reached) before the first training step: (problems, skipped) by set."""
+    reached) before the first training step: (problems, skipped) by set. A generated set is drawn without the
+    problems of ``train_data`` (the recipes' data section); a set that is mostly those is refused unless
+    ``allow_seen`` (delft.evaluation.contamination)."""
+    seen = training_prompts(train_data)
     loaded = {}
     for name, data_cfg in sets.items():
         try:
-            loaded[name] = load_problems(data_cfg, console)
+            loaded[name] = load_problems(data_cfg, console, seen if data_cfg.format in GENERATED else frozenset())
         except UserError as e:
             raise _in_study(e, name, path) from None
+        refuse_mostly_seen({"the recipes' runs": seen_record(loaded[name][0], seen)}, f"the eval set {name}",
+                           f"{path}: evals.{name}", allow_seen)
     return loaded
 
 
@@ -297,9 +304,12 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
     start = time.perf_counter()
     columns = [("base", None, None)] + [(c.name, s, runs[(c.name, s)]) for s in seeds for c in contenders]
     scored = {}
+    seen = {(name, seed): count_seen(problems, None if run is None else str(run)) for name, seed, run in columns}
     for name, seed, run in columns:
         scored[(name, seed)] = score_gold(base, None if run is None else str(run), problems, data_cfg, cfg0)
-        console.print(f"[dim]{name if seed is None else f'{name}-seed{seed}'}: scored[/]")
+        k = seen[(name, seed)]["seen_in_training"]
+        console.print(f"[dim]{name if seed is None else f'{name}-seed{seed}'}: scored ("
+                      f"{'not counted' if k is None else k} of the {len(problems)} in its training data)[/]")
     ref, boot = reference_name(contenders), cfg0.eval.bootstrap
     models = []
     for name, seed, run in columns:
@@ -310,7 +320,7 @@ def _teacher_set(key: str, data_cfg: DataConfig, cfg0: Recipe, base: str, conten
         models.append({"name": "base" if seed is None else f"{name}-seed{seed}", "recipe": None if seed is None
                        else name, "seed": seed, "adapter": None if run is None else str(run),
                        "metrics": summarize_teacher(tf), "vs_base": vs_base, "vs_reference": vs_ref,
-                       "per_example": _per_example_record(tf)})
+                       "contamination": seen[(name, seed)], "per_example": _per_example_record(tf)})
     means = []
     for c in contenders:
         own = [scored[(c.name, s)] for s in seeds]
@@ -388,7 +398,7 @@ def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict,
 
 
 def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides: Sequence[str], console: Console,
-             train_only: bool, force: bool):
+             train_only: bool, force: bool, allow_seen: bool = False):
     """Every refusal before training: the out folder, the recipes, the controls, the curve, the eval sets.
     Returns (contenders, the first run's recipe, the sets, their problems (None with train_only))."""
     out = Path(study.out)
@@ -400,7 +410,7 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
     cfg0 = contenders[0].for_seed(study.seeds[0])
     _check_controls_and_curve(study, contenders, cfg0, path)
     sets = {name: eval_data(name, spec, cfg0, data_dir) for name, spec in study.evals.items()}
-    loaded = None if train_only else load_sets(sets, path, console)  # before the first training step
+    loaded = None if train_only else load_sets(sets, path, console, cfg0.data, allow_seen)  # before training
     return contenders, cfg0, sets, loaded
 
 
@@ -450,14 +460,17 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
 
 
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
-              console: Optional[Console] = None, train_only: bool = False, force: bool = False) -> Optional[dict]:
+              console: Optional[Console] = None, train_only: bool = False, force: bool = False,
+              allow_seen: bool = False) -> Optional[dict]:
     """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
-    summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set)."""
+    summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set); a set
+    that is mostly the runs' training data only with ``allow_seen``."""
     console = console or Console()
     path = Path(path)
     study = load_study(path)
     out = Path(study.out)
-    contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force)
+    contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force,
+                                              allow_seen)
     command = _command(path, data_dir, overrides)
     start = time.perf_counter()
     runs, training = train_all(contenders, study.seeds, console, command)

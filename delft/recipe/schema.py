@@ -17,7 +17,8 @@ from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
 
-# Added to data.synthetic.seed for the default eval set, so it is disjoint from the training problems.
+# Added to a generator's seed for the default eval set, so its draw does not start with the training problems; the
+# training problems are kept out by content when it is drawn (delft.evaluation.contamination), which a seed cannot do.
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -187,7 +188,7 @@ GENERATED = ("synthetic", "reasoning_gym")  # sources made by a generator: their
 
 class SyntheticConfig(Section):
     n: int = Field(2000, gt=0, description="Number of problems generated.")
-    seed: int = Field(0, description="Generator seed (eval uses a different one so sets are disjoint).")
+    seed: int = Field(0, description="Generator seed (the eval set draws with another and skips training problems).")
     ops: list[Literal["+", "-", "*", "/", "copy"]] = Field(
         ["+", "-", "*", "/"], min_length=1,
         description="Operations; 'copy' asks to repeat one number ('Repeat 123' -> 123).")
@@ -402,7 +403,7 @@ class LossConfig(Section):
 
 class EvalConfig(Section):
     data: Optional[DataConfig] = Field(
-        None, description="Eval set; default: the synthetic source with a seed disjoint from training.")
+        None, description="Eval set; default: the training source with another seed, its training problems skipped.")
     limit: Optional[int] = Field(200, gt=0, description="Evaluate at most N problems.")
     max_new_tokens: int = Field(32, gt=0, description="Generation budget per answer.")
     batch_size: int = Field(16, gt=0, description="Prompts generated together.")
@@ -498,7 +499,8 @@ class Recipe(Section):
         return self.model_dump(mode="json")
 
     def eval_data(self) -> DataConfig:
-        """The eval set: as given, or the training source with a disjoint synthetic seed."""
+        """The eval set: as given, or the training source with another generator seed (the training problems are
+        skipped by content when it is drawn: delft.evaluation.contamination)."""
         if self.eval.data is not None:
             return self.eval.data
         data = self.data.model_copy(deep=True)

@@ -1,10 +1,11 @@
 """Numeric accuracy while training (``train.accuracy_steps``): greedy exact match on a fixed held-out slice.
 
 The slice is the first ``train.accuracy_examples`` problems of the recipe's eval set (``eval.data``, or the
-synthetic source with the eval seed offset), answered and scored exactly as ``delft eval RECIPE --limit N``
-does (delft.evaluation.generation.greedy, delft.numbers.answers), so the last row in metrics.jsonl equals that command's exact match
-for the final adapter. The validation split is not used: its examples are tokenized for the loss, and the eval
-set is the one a user reads results on.
+synthetic source with the eval seed offset; a generated set drawn without the training problems), answered and
+scored exactly as ``delft eval RECIPE --limit N`` does (delft.evaluation.generation.greedy,
+delft.numbers.answers), so the last row in metrics.jsonl equals that command's exact match for the final adapter.
+The validation split is not used: its examples are tokenized for the loss, and the eval set is the one a user
+reads results on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Sequence
 from rich.console import Console
 
 from delft.data.prompts import render_prompt, use_chat_template
+from delft.evaluation.contamination import generated_exclusion
 from delft.evaluation.generation import greedy, stop_strings
 from delft.evaluation.metrics import METRICS, summarize
 from delft.evaluation.problems import disjoint_from_training, load_problems
@@ -43,7 +45,7 @@ class HeldOut:
     @classmethod
     def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
         data = heldout_data(recipe, recipe.train.accuracy_examples)
-        problems, _ = load_problems(data, console)
+        problems, _ = load_problems(data, console, generated_exclusion(data, [recipe.data], []))
         chat = use_chat_template(tokenizer, data)
         prompts = [render_prompt(p.example, tokenizer, data) for p in problems]
         return cls(problems, prompts, chat, stop_strings(tokenizer, chat), tokenizer, recipe.eval.max_new_tokens,
