@@ -297,6 +297,9 @@ def study(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in the study's out (as a set)."),
+    plan: bool = typer.Option(False, "--plan", help="Train nothing: print, for each comparison, the smallest "
+                              "difference its seeds and problems can detect (80 % power), from the study file's "
+                              "plan.seed_spread or plan.pilot, and warn where it exceeds the margin."),
     allow_seen: bool = _allow_seen_option(),
     fewshot: Optional[int] = _fewshot_option(),
     samples: Optional[int] = _samples_option(),
@@ -304,9 +307,12 @@ def study(
     top_p: Optional[float] = _top_p_option(),
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
-    from delft.experiments.study import run_study
+    from delft.experiments.study import plan_study, run_study
 
     set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
+    if plan:
+        plan_study(study_file, data_dir=data_dir, overrides=set_, console=console)
+        return
     run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force,
               allow_seen=allow_seen)
 

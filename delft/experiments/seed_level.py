@@ -38,13 +38,41 @@ def analyse(report: dict, controls: list[str], margin_points: float, margin_stat
             "flips": flips(report)}
 
 
-def _by_seed(key: str, sec: dict) -> dict[str, dict[int, list[float]]]:
-    """A greedy set's per-problem exact match, by recipe and seed."""
+def _by_seed(sec: dict, keep: Optional[list[int]] = None) -> dict[str, dict[int, list[float]]]:
+    """A greedy set's per-problem exact match, by recipe and seed (only the problems at positions ``keep``)."""
     scores: dict[str, dict[int, list[float]]] = {}
     for m in sec["models"]:
         if m.get("recipe") is not None:
-            scores.setdefault(m["recipe"], {})[m["seed"]] = [float(p["exact"]) for p in m["predictions"]]
+            flags = [float(p["exact"]) for p in m["predictions"]]
+            scores.setdefault(m["recipe"], {})[m["seed"]] = flags if keep is None else [flags[i] for i in keep]
     return scores
+
+
+UNSEEN = "{key} (unseen)"  # the rows on a set's problems that no run trained on, beside the whole set's
+
+
+def unseen_positions(sec: dict) -> Optional[list[int]]:
+    """The positions of a set's problems that no compared run trained on (delft.evaluation.contamination's
+    records), or None when no run trained on any of them. The runs of a study share their training data, so one
+    subset serves every pair."""
+    seen = set()
+    for m in sec["models"]:
+        seen.update((m.get("contamination") or {}).get("seen_problems") or [])
+    if not seen:
+        return None
+    first = next(m for m in sec["models"] if m.get("recipe") is not None)
+    return [i for i, p in enumerate(first["predictions"]) if p["index"] not in seen]
+
+
+def _set_rows(key: str, sec: dict, keep: Optional[list[int]]) -> list[dict]:
+    """One row per recipe other than the reference on one greedy set (or its problems at ``keep``)."""
+    ref = sec["settings"]["reference"]
+    scores = _by_seed(sec, keep)
+    seeds = _check_seeds(f"study.json: evals.{key}", scores, ref)
+    name = key if keep is None else UNSEEN.format(key=key)
+    return [comparison({"set": name, "recipe": r, "reference": ref, "metric": EXACT_MATCH.key, "seeds": seeds,
+                        "problems": len(scores[ref][seeds[0]])}, [scores[ref][s] for s in seeds],
+                       [by_seed[s] for s in seeds]) for r, by_seed in scores.items() if r != ref]
 
 
 def _check_seeds(where: str, by_recipe: dict[str, dict], ref: str) -> list[int]:
@@ -72,19 +100,17 @@ def comparison(where: dict, ref_scores: list, arm_scores: list) -> dict:
 
 
 def seed_analysis(report: dict) -> list[dict]:
-    """One row per (greedy set, recipe other than the reference), then the curves' areas; Holm over all rows."""
-    rows = []
+    """One row per (greedy set, recipe other than the reference), and per the set's unseen problems when runs
+    trained on some of it; then the curves' areas, likewise; Holm over all rows."""
+    rows, unseen = [], {}
     for key, sec in report["evals"].items():
         if sec["settings"]["mode"] != "greedy":
             continue  # teacher-forced sets are token-level CE and accuracy: not scored here
-        ref = sec["settings"]["reference"]
-        scores = _by_seed(key, sec)
-        seeds = _check_seeds(f"study.json: evals.{key}", scores, ref)
-        for name, by_seed in scores.items():
-            if name != ref:
-                rows.append(comparison({"set": key, "recipe": name, "reference": ref, "metric": EXACT_MATCH.key,
-                                        "seeds": seeds}, [scores[ref][s] for s in seeds], [by_seed[s] for s in seeds]))
-    rows += _curve_rows(report.get("curves") or {})
+        rows += _set_rows(key, sec, None)
+        unseen[key] = unseen_positions(sec)
+        if unseen[key] is not None:
+            rows += _set_rows(key, sec, unseen[key])
+    rows += _curve_rows(report.get("curves") or {}, unseen)
     p = [r["t_test"]["p"] for r in rows]
     if None in p:  # one seed: no test over seeds, nothing to adjust
         for r in rows:
@@ -103,17 +129,20 @@ def _levels(ref: list, arm: list) -> dict:
     return {"reference": mean(ref), "recipe": mean(arm)}
 
 
-def _curve_rows(curves: dict) -> list[dict]:
-    """The area under each recipe's exact-match curve against the reference's, per set."""
+def _curve_rows(curves: dict, unseen: dict[str, Optional[list[int]]]) -> list[dict]:
+    """The area under each recipe's exact-match curve against the reference's, per set (and its unseen problems)."""
     rows = []
     for key, c in curves.items():
         ref = c["reference"]
         by_seed = {name: {int(s): v for s, v in arm["auc_per_problem"].items()} for name, arm in c["recipes"].items()}
         seeds = _check_seeds(f"study.json: curves.{key}", by_seed, ref)
-        for name, scores in by_seed.items():
-            if name != ref:
-                rows.append(comparison({"set": key, "recipe": name, "reference": ref, "metric": "exact_match_auc",
-                                        "seeds": seeds}, [by_seed[ref][s] for s in seeds], [scores[s] for s in seeds]))
+        for keep in (None, unseen.get(key)) if unseen.get(key) is not None else (None,):
+            part = {n: {s: v if keep is None else [v[i] for i in keep] for s, v in sc.items()}
+                    for n, sc in by_seed.items()}
+            rows += [comparison({"set": key if keep is None else UNSEEN.format(key=key), "recipe": name,
+                                 "reference": ref, "metric": "exact_match_auc", "seeds": seeds,
+                                 "problems": len(part[ref][seeds[0]])}, [part[ref][s] for s in seeds],
+                                [scores[s] for s in seeds]) for name, scores in part.items() if name != ref]
     return rows
 
 
@@ -261,7 +290,8 @@ def seed_level_cells(r: dict) -> list[str]:
     """One row of :func:`seed_analysis` as the cells of SEED_LEVEL_COLUMNS (summary.md and tables.txt alike)."""
     t, flip, boot = r["t_test"], r["sign_flip"], r["bootstrap"]
     detectable = "-" if r["detectable"] is None else f"{100 * r['detectable']:.1f}"
-    return [r["set"], r["metric"], f"{r['recipe']} vs {r['reference']}", _pts(r["difference"]),
+    where = r["set"] + (f" (n={r['problems']})" if r.get("problems") else "")
+    return [where, r["metric"], f"{r['recipe']} vs {r['reference']}", _pts(r["difference"]),
             ", ".join(_pts(d) for d in t["per_seed"]), _interval(t["ci"]), _p(t["p"]), _p(r["holm_p"]),
             f"{_p(flip['p'])} ({_p(flip['smallest_possible_p'])})", _interval(boot["ci"]), detectable]
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import Field, ValidationError, field_validator
 from rich.console import Console
+from rich.table import Table
 
 from delft import __version__
 from delft.data.fields import check_data_path
@@ -45,7 +46,9 @@ from delft.evaluation.teacher_forced import (
 from delft.experiments.arms import reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
-from delft.experiments.seed_level import analyse, analysis_renderables
+from delft.experiments.power import PLAN_COLUMNS, comparisons, plan_cells, plan_rows, read_pilot
+from delft.experiments.seed_level import MARGIN, analyse, analysis_renderables
+from delft.experiments.seed_tests import POWER
 from delft.experiments.summary import study_summary
 from delft.models.scratch import base_name
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
@@ -91,6 +94,15 @@ class Arm(Section):
                           "whether the design can see a digit-loss effect at all (the summary says if it moved).")
 
 
+class PowerPlan(Section):
+    seed_spread: Optional[float] = Field(None, ge=0, description="Points: how much a recipe's difference from the "
+                                         "reference varies from seed to seed beyond the noise of the set's problems "
+                                         "(the standard deviation of the effect over seeds). `delft study --plan` "
+                                         "adds the problems' own noise (at worst, for right/wrong answers).")
+    pilot: Optional[str] = Field(None, min_length=1, description="Or: an earlier study's study.json (or its out "
+                                 "folder), relative to this file, whose seeds give the spread per set and recipe.")
+
+
 class StudyConfig(Section):
     description: str = Field("", description="What the study asks and, written before it runs, what would confirm "
                              "it, what would refute it, and what a control that does not move means (shown at the "
@@ -104,10 +116,14 @@ class StudyConfig(Section):
     curve: list[int] = Field(default_factory=list, description="Training steps at which every run is evaluated too "
                              "(it keeps snapshots there): exact match along training and the area under that curve "
                              "on every greedy set; the finished run is the last point.")
-    margin: float = Field(3.0, ge=0, description="The smallest exact-match difference that matters, in points. An "
-                          "arm is confirmed when it gains at least this much on every seed with Holm p < 0.05; "
-                          "refuted when its interval over seeds lies within +-margin or below 0 while a control "
-                          "moved; otherwise inconclusive.")
+    margin: float = Field(MARGIN, ge=0, description="The smallest exact-match difference that matters, in points "
+                          f"(default {MARGIN:g}; the verdicts say whether the file stated it). An arm is better or "
+                          "worse when the t test over seeds, Holm-adjusted, gives p < 0.05; equivalent when the t "
+                          "interval over seeds lies inside +-margin and a control moved up on that set; not readable "
+                          "on a floor or when no control moved; otherwise inconclusive.")
+
+    plan: PowerPlan = Field(default_factory=PowerPlan, description="The between-seed spread `delft study --plan` "
+                            "computes the detectable differences from (stated or piloted), written before the runs.")
 
     def recipe_files(self) -> list[str]:
         return [r if isinstance(r, str) else r.recipe for r in self.recipes]
@@ -447,7 +463,9 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
                      "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
-                     "controls": study.controls(), "margin": study.margin, "curve": study.curve,
+                     "controls": study.controls(), "margin": study.margin,
+                     "margin_stated": "margin" in study.model_fields_set, "plan": _plan(study, path, contenders),
+                     "curve": study.curve,
                      "seeds": study.seeds, "recipe": cfg0.to_dict(),
                      "evals": {k: v.model_dump(mode="json") for k, v in study.evals.items()}},
         "training": training, "seconds": seconds,
@@ -455,8 +473,58 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
         "curves": curves,
     })
     report["plots"] = {key: str(Path(study.out) / f"{key}.png") for key in sections}
-    report.update(analyse(report, study.controls(), study.margin))
+    report.update(analyse(report, study.controls(), study.margin, "margin" in study.model_fields_set))
     return report
+
+
+def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
+    """The detectable difference of every comparison the study will make, from its stated or piloted spread
+    (delft.experiments.power); None when the file states neither."""
+    spec = study.plan
+    if spec.seed_spread is None and spec.pilot is None:
+        return None
+    if spec.seed_spread is not None and spec.pilot is not None:
+        raise UserError("plan states both seed_spread and pilot", f"{path}: plan", "Keep the one the plan rests on.")
+    ref = reference_name(contenders)
+    names = [ref] + [c.name for c in contenders if c.name != ref]
+    greedy = {key: s.limit for key, s in study.evals.items() if s.mode == "greedy"}
+    pilot = read_pilot(path.parent / spec.pilot, f"{path}: plan.pilot") if spec.pilot else None
+    try:
+        rows = plan_rows(comparisons(names, greedy, bool(study.curve)), len(study.seeds), study.margin,
+                         spec.seed_spread, pilot)
+    except ValueError:
+        raise UserError(f"the pilot {spec.pilot} has no greedy set on which a recipe ran 2 or more seeds beside its "
+                        "reference, so it shows no spread between seeds", f"{path}: plan.pilot",
+                        "Give a pilot study with 2 or more seeds, or state plan.seed_spread.") from None
+    return {"margin_points": study.margin, "source": "seed_spread" if spec.seed_spread is not None else spec.pilot,
+            "rows": rows}
+
+
+def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
+               console: Optional[Console] = None) -> dict:
+    """``delft study FILE --plan``: what each comparison can detect with the file's seeds and problems, before any
+    run; a warning where that is larger than the margin."""
+    console = console or Console()
+    path = Path(path)
+    study = load_study(path)
+    plan = _plan(study, path, _contenders(study, path, overrides, data_dir, console))
+    if plan is None:
+        raise UserError("the study file states no spread between seeds, so there is nothing to compute power from",
+                        f"{path}: plan", "State plan.seed_spread (points: how much the effect varies from seed to "
+                        "seed) or plan.pilot (an earlier study.json with 2 or more seeds).")
+    table = Table(title=f"delft study --plan: {len(study.seeds)} seeds, {100 * POWER:.0f} % power, t test over seeds "
+                        f"at Holm's strictest step (level {plan['rows'][0]['alpha']:.3g})")
+    for column in PLAN_COLUMNS:
+        table.add_column(column)
+    for r in plan["rows"]:
+        table.add_row(*plan_cells(r, study.margin))
+    console.print(table)
+    wide = [r for r in plan["rows"] if r["above_margin"]]
+    if wide:
+        console.print(f"[yellow]warning:[/] {len(wide)} of {len(plan['rows'])} comparisons cannot detect a difference "
+                      f"of the margin ({study.margin:g} points) with {100 * POWER:.0f} % power: add seeds or problems, "
+                      "or read an 'inconclusive' there as what the design allowed.")
+    return plan
 
 
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from delft.data.sources import normalised_prompt
+from delft.evaluation.contamination import training_prompts
 from delft.evaluation.metrics import PAIRED
 from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
 from delft.experiments.curves import curve_lines
@@ -25,6 +27,7 @@ from delft.experiments.seed_level import (
 )
 from delft.outputs import pct, write_atomic
 from delft.recipe.files import read_yaml
+from delft.recipe.schema import validate_recipe
 
 # The headline metrics: (group in the teacher-forced differences, metric, label, scale) per mode; a greedy set's
 # are the metrics every comparison differences (delft.evaluation.metrics.PAIRED).
@@ -128,7 +131,8 @@ def study_summary(report: dict) -> str:
     controls = report["settings"].get("controls") or []
     for name, loss in report["settings"]["losses"].items():
         digit = loss["type"] != "ce"  # CE alone has no digit term to weigh or normalise
-        lines.append(f"| {name}{' (control)' if name in controls else ''} | {loss['type']} | {loss['weight'] if digit else '-'} | "
+        label = f"{name}{' (control)' if name in controls else ''}"
+        lines.append(f"| {label} | {loss['type']} | {loss['weight'] if digit else '-'} | "
                      f"{loss['normalisation'] if digit else '-'} | {loss['place_weights'] if digit else '-'} |")
     lines += ["", "## Differences from the reference", "",
               "Paired bootstrap over the same problems (95 % CI). Pooled: each problem's score averaged over the "
@@ -160,12 +164,32 @@ def _margin_stated(study_file: Optional[str]) -> Optional[bool]:
     return "margin" in (read_yaml(path) or {})
 
 
+def count_stored(report: dict) -> None:
+    """For a study.json written before delft counted contamination: each greedy set's problems that the runs
+    trained on, from the study's recipe (its runs share one data section) and each problem's stored question,
+    recorded on every run as ``delft study`` now records it (the base model trained on none)."""
+    sections = [s for s in report["evals"].values() if s["settings"]["mode"] == "greedy"
+                and any("contamination" not in m for m in s["models"] if m.get("recipe") is not None)]
+    if not sections:
+        return
+    prompts = training_prompts(validate_recipe(report["settings"]["recipe"]).data)
+    for sec in sections:
+        seen = [p["index"] for p in sec["problems"] if normalised_prompt(p["question"]) in prompts]
+        for m in sec["models"]:
+            if m.get("recipe") is not None:
+                m["contamination"] = {"seen_in_training": len(seen), "n": len(sec["problems"]), "seen_problems": seen,
+                                      "counted": "afterwards, from the study's recipe and the stored questions"}
+
+
 def rewrite(out: Path) -> None:
-    """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code,
-    and write study.json, summary.md and tables.txt's block on them again (each whole or not at all): ``python -m delft.experiments.summary OUT``."""
+    """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code
+    (counting its runs' training problems in its sets first when it was written before delft did), and write
+    study.json, summary.md and tables.txt's block on them again (each whole or not at all):
+    ``python -m delft.experiments.summary OUT``."""
     out = Path(out)
     report = json.loads((out / "study.json").read_text())
     settings = report["settings"]
+    count_stored(report)
     report.update(analyse(report, settings.get("controls") or [], settings.get("margin", MARGIN),
                           settings.get("margin_stated", _margin_stated(report.get("study")))))
     tables = (out / "tables.txt").read_text() if (out / "tables.txt").exists() else ""

@@ -212,5 +212,24 @@ def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
     rows = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert [r["parameters"] for r in rows] == sorted(r["parameters"] for r in rows) and len(rows) == 2
     assert [round(r["difference"], 2) for r in rows] == [0.03, 0.01]
-    assert "| held_out | exact_match | 865,920 | 2 | +3.0 [+1.0, +5.0] |" in (tmp_path / "out" / "summary.md").read_text()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| held_out | exact_match | 865,920 | 2 | +3.0 [+1.0, +5.0] |" in summary
     assert (tmp_path / "out" / "difference_by_size.png").stat().st_size > 1000
+
+
+def test_a_set_the_runs_trained_on_is_also_read_on_its_unseen_problems():
+    """Runs that trained on some of a set's problems: the seed-level rows come twice, on the whole set and on the
+    problems no run saw, and the verdicts read each (a control must move up on the unseen problems to license
+    readings there)."""
+    def model(recipe, seed, right, seen):
+        return {"recipe": recipe, "seed": seed, "contamination": {"seen_in_training": len(seen), "seen_problems": seen},
+                "predictions": [{"index": i, "exact": i < right} for i in range(10)]}
+
+    seen = [0, 1, 2, 3]  # the first four problems were training problems: every run gets them right
+    report = {"evals": {"s": {"settings": {"mode": "greedy", "reference": "ce"}, "problems": [{}] * 10, "models": [
+        model("ce", 0, 4, seen), model("ce", 1, 5, seen), model("del", 0, 6, seen), model("del", 1, 8, seen)]}}}
+    rows = seed_analysis(report)
+    assert [(r["set"], r["problems"]) for r in rows] == [("s", 10), ("s (unseen)", 6)]
+    assert rows[0]["levels"] == pytest.approx({"reference": 0.45, "recipe": 0.7})
+    assert rows[1]["levels"] == pytest.approx({"reference": 0.5 / 6, "recipe": 3 / 6})
+    assert rows[1]["t_test"]["per_seed"] == pytest.approx([2 / 6, 3 / 6])
