@@ -50,8 +50,9 @@ def plot_scale(rows: list[dict], path: Path, recipe: str) -> None:
         sel = [r for r in rows if (r["set"], r["metric"]) == (s, m)]
         x = [r["parameters"] for r in sel]
         y = [100 * r["difference"] for r in sel]
-        lo = [100 * (r["difference"] - r["t_ci"][0]) for r in sel]
-        hi = [100 * (r["t_ci"][1] - r["difference"]) for r in sel]
+        ci = [r["t_ci"] or [r["difference"]] * 2 for r in sel]  # no spread between seeds: no interval to draw
+        lo = [100 * (r["difference"] - c[0]) for r, c in zip(sel, ci)]
+        hi = [100 * (c[1] - r["difference"]) for r, c in zip(sel, ci)]
         ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=4)
         for r in sel:
             ax.scatter([r["parameters"]] * len(r["per_seed"]), [100 * d for d in r["per_seed"]], s=10, alpha=0.5,
@@ -75,9 +76,9 @@ def scale_markdown(rows: list[dict], recipe: str) -> str:
              "| per seed |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lo, hi = r["t_ci"]
+        ci = f" [{100 * r['t_ci'][0]:+.1f}, {100 * r['t_ci'][1]:+.1f}]" if r["t_ci"] else " (no spread: no interval)"
         lines.append(f"| {r['set']} | {r['metric']} | {r['parameters']:,} | {len(r['seeds'])} | "
-                     f"{100 * r['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {r['holm_p']:.3f} | "
+                     f"{100 * r['difference']:+.1f}{ci} | {r['holm_p']:.3f} | "
                      + ", ".join(f"{100 * d:+.1f}" for d in r["per_seed"]) + " |")
     return "\n".join(lines) + "\n"
 

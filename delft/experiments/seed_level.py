@@ -176,7 +176,10 @@ def verdict(r: dict, control_up: bool, has_controls: bool, margin: float) -> tup
         return "not readable", "no control moved up on this set and metric"
     if t["ci"] is not None and -margin < t["ci"][0] and t["ci"][1] < margin:
         return "equivalent", f"t interval over seeds inside +-{100 * margin:g} points"
-    why = "one seed: no test over seeds" if t["ci"] is None else "t interval over seeds reaches past the margin"
+    why = "t interval over seeds reaches past the margin"
+    if t["ci"] is None:
+        why = "one seed: no test over seeds" if len(t["per_seed"]) < 2 else "every seed differs by the same amount: " \
+              "no spread, so no t interval"
     return "inconclusive", why
 
 

@@ -44,17 +44,17 @@ def t_quantile(q: float, df: int) -> float:
 
 def t_test(per_seed: Sequence[float], level: float = LEVEL) -> dict:
     """The paired t test over seeds: mean difference, its t interval and two-sided p (None with one seed). With no
-    spread at all (every seed the same difference, not 0) the t statistic is undefined: p is then the exact
-    sign-flip test's, which is never 0, and ``p_from`` says so."""
+    spread at all (every seed the same difference) the t statistic is undefined: there is no interval (a zero-width
+    one would claim certainty two equal seeds cannot give), and p is the exact sign-flip test's, never 0
+    (``p_from`` says so)."""
     d = np.asarray(per_seed, dtype=np.float64)
     k, mean = len(d), float(d.mean())
     if k < 2:
         return {"per_seed": [float(x) for x in d], "difference": mean, "ci": None, "p": None, "df": 0, "p_from": None}
     sd = float(d.std(ddof=1))
     if sd <= 1e-12 * max(1.0, abs(mean)):  # equal differences, up to the rounding of their mean
-        p = 1.0 if mean == 0 else sign_flip_test(d)["p"]
-        return {"per_seed": [float(x) for x in d], "difference": mean, "ci": [mean, mean], "p": p, "df": k - 1,
-                "p_from": "sign flip: no spread over seeds"}
+        return {"per_seed": [float(x) for x in d], "difference": mean, "ci": None, "p": sign_flip_test(d)["p"],
+                "df": k - 1, "p_from": "sign flip: no spread over seeds"}
     se = sd / k ** 0.5
     half = t_quantile(1 - (1 - level) / 2, k - 1) * se
     p = float(2 * stats.t.sf(abs(mean) / se, k - 1))
