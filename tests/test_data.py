@@ -92,7 +92,7 @@ def test_prompt_completion_and_masking(tmp_path, tiny_tokenizer):
     c = cfg(source=src, format="prompt_completion", template="plain")
     (ex,) = load_examples(c)
     tok = tokenize_example(ex, tiny_tokenizer, c)
-    n_prompt = len(tiny_tokenizer.encode("What is 2+2?\n", add_special_tokens=False))
+    n_prompt = len(tiny_tokenizer.encode("What is 2+2?", add_special_tokens=False))  # joined as written
     assert tok.labels[:n_prompt] == [IGNORE] * n_prompt
     assert tok.labels[n_prompt:] == tok.input_ids[n_prompt:]
     assert tiny_tokenizer.decode(tok.input_ids[n_prompt:]) == "4</s>"

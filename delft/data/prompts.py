@@ -22,14 +22,20 @@ def _messages(example: Example, cfg) -> list[dict]:
     return msgs
 
 
+# A plain prompt that already ends in one of these has its break: no separator follows it (alpaca's template ends
+# "### Response:\n", some reasoning-gym questions end in a newline; a second one would be a blank line).
+PROMPT_BREAKS = ("\n", " ")
+
+
 def render_prompt(example: Example, tokenizer, cfg) -> str:
-    """The exact text the answer continues (chat template applied when configured)."""
+    """The exact text the answer continues: the chat template's rendering when configured, else the plain prompt
+    (chat messages one per line) followed by ``cfg.prompt_separator()`` unless it already ends in PROMPT_BREAKS."""
     if use_chat_template(tokenizer, cfg):
         return tokenizer.apply_chat_template(_messages(example, cfg), tokenize=False, add_generation_prompt=True)
-    if isinstance(example.prompt, list):
-        return "\n".join(m["content"] for m in example.prompt) + "\n"
     prompt = example.prompt
-    return prompt if prompt.endswith(("\n", " ")) else prompt + "\n"
+    if isinstance(prompt, list):
+        prompt = "\n".join(m["content"] for m in prompt)
+    return prompt if prompt.endswith(PROMPT_BREAKS) else prompt + cfg.prompt_separator()
 
 
 def render_pair(example: Example, tokenizer, cfg) -> tuple[str, str]:

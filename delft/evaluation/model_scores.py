@@ -20,6 +20,7 @@ from delft.evaluation.sampling import summarize_samples
 from delft.evaluation.teacher_forced import summarize_teacher, teacher_forced
 from delft.models.loading import using_model
 from delft.numbers.tokens import NumberVocab
+from delft.recipe.files import as_trained
 
 
 def evaluate_model(name: str, base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg,
@@ -47,9 +48,10 @@ def _teacher_forced(model, tokenizer, problems: Sequence[Problem], data_cfg, rec
 
 
 def score_gold(base: str, adapter: Optional[str], problems: Sequence[Problem], data_cfg, recipe_cfg):
-    """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it."""
+    """Load one model, score the gold completions of ``problems`` teacher-forced (no generation), free it: a run
+    trained before data.separator reads them after its newline."""
     with using_model(base, adapter, device=recipe_cfg.model.device, dtype=recipe_cfg.model.dtype) as lm:
-        return _teacher_forced(lm.model, lm.tokenizer, problems, data_cfg, recipe_cfg)
+        return _teacher_forced(lm.model, lm.tokenizer, problems, as_trained(data_cfg, adapter), recipe_cfg)
 
 
 def in_llama_cpp(adapter: Optional[str], base: str, recipe_cfg) -> bool:
@@ -104,12 +106,16 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
     results = [] if done is None else done
     with progress_bar(console) as progress:
         for name, adapter in columns:
+            column_data = as_trained(data_cfg, adapter)  # a run trained before data.separator: its newline
+            if column_data is not data_cfg:
+                console.print(f"[dim]{name} was trained before data.separator existed: a newline follows its plain "
+                              "prompts (no chat template), as in its training[/]", highlight=False)
             task = progress.add_task(name, total=len(problems))
             if in_llama_cpp(adapter, base, recipe_cfg):
-                r = evaluate_gguf(name, Path(adapter or base), problems, data_cfg, recipe_cfg, base)
+                r = evaluate_gguf(name, Path(adapter or base), problems, column_data, recipe_cfg, base)
                 progress.advance(task, len(problems))
             else:
-                r = evaluate_model(name, base, adapter, problems, data_cfg, recipe_cfg, progress, task,
+                r = evaluate_model(name, base, adapter, problems, column_data, recipe_cfg, progress, task,
                                    teacher_forced)
             r.metrics = summarize(r.scored, recipe_cfg.eval.bootstrap, BOOTSTRAP_SEED)
             if r.samples is not None:

@@ -386,7 +386,7 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
     if recipe is not None:
         lines += ["PARAMETER temperature 0", f"PARAMETER num_predict {recipe.eval.max_new_tokens}"]
         if not use_chat_template(tokenizer, recipe.data):
-            return _plain_modelfile(lines), []
+            return _plain_modelfile(lines, recipe.data.prompt_separator()), []
     notes = []
     system = _chatml_default_system(tokenizer)
     if system is None:
@@ -408,10 +408,14 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
     return "\n".join(lines) + "\n", notes
 
 
-def _plain_modelfile(lines: list[str]) -> str:
-    """The run trained on plain prompts (delft.data.render_prompt: the prompt, then a newline) with delft's plain
-    stop strings."""
-    lines = lines + ['TEMPLATE """{{ .Prompt }}', '"""']
+def _plain_modelfile(lines: list[str], separator: str) -> str:
+    """The run trained on plain prompts (delft.data.prompts.render_prompt: the prompt, then data.separator) with
+    delft's plain stop strings. The template writes the separator after every prompt (one typed into Ollama does
+    not end in a space or newline); text that would end the triple quotes or open an action goes in as a Go
+    string (JSON's escapes are Go's)."""
+    if any(c in separator for c in '"{}'):
+        separator = "{{ " + json.dumps(separator, ensure_ascii=False) + " }}"
+    lines = lines + [f'TEMPLATE """{{{{ .Prompt }}}}{separator}"""']
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in PLAIN_STOP_STRINGS]
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,7 @@ def probe_recipe(run_dir: Path):
     if data.format not in GENERATED:
         held_out = Recipe().eval_data()  # the default synthetic held-out set, rendered as the run's data
         held_out.template, held_out.system_prompt = data.template, data.system_prompt
+        held_out.separator = data.prompt_separator()
         data = held_out
     data.limit = PROBE_PROBLEMS
     cfg.model.device, cfg.model.dtype = "cpu", "float32"

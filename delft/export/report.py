@@ -17,16 +17,16 @@ from delft.data.sources import HUB_ID
 from delft.errors import UserError
 from delft.evaluation.metrics import HEADLINE
 from delft.outputs import human_size
-from delft.recipe.files import load_recipe
+from delft.recipe.files import load_run_recipe
 from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
 
 
 def load_recipe_quietly(run_dir: Path):
-    path = run_dir / RECIPE
-    if not path.is_file():
+    """The run's recipe as it trained (delft.recipe.files.load_run_recipe), or None when it has no readable one."""
+    if not (run_dir / RECIPE).is_file():
         return None
     try:
-        return load_recipe(path)
+        return load_run_recipe(run_dir)
     except UserError:
         return None
 

@@ -46,7 +46,7 @@ from delft.models.loading import using_model
 from delft.models.scratch import base_name
 from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
-from delft.recipe.files import load_recipe
+from delft.recipe.files import as_trained, load_recipe
 from delft.rundir import base_model, check_trained_dir
 
 
@@ -115,8 +115,9 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
     with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
         tok = loaded.tokenizer
         vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
-        chat = use_chat_template(tok, cfg.data)
-        prompt_text = render_prompt(Example(prompt, ""), tok, cfg.data)
+        data = as_trained(cfg.data, spec.adapter)  # a run trained before data.separator: its newline
+        chat = use_chat_template(tok, data)
+        prompt_text = render_prompt(Example(prompt, ""), tok, data)
         n_answer = max_new_tokens if target_text is None else len(tok.encode(target_text, add_special_tokens=False))
         check_context(loaded.model, len(prompt_ids(tok, prompt_text)), n_answer, spec.name, "delft inspect",
                       budget=None if target_text is not None else "--max-new-tokens")

@@ -9,7 +9,8 @@ from typing import Any, Optional
 import yaml
 
 from delft.errors import UserError
-from delft.recipe.schema import Recipe, validate_recipe
+from delft.recipe.schema import DataConfig, Recipe, validate_recipe
+from delft.rundir import RECIPE
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -95,6 +96,51 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+# Before data.separator existed, delft followed every plain prompt with a newline (none after a prompt that already
+# ended in a space or newline, which render_prompt still does). A run's recipe.yaml holds every key (dump_recipe),
+# so one whose data section lacks separator was trained that way, whatever its format: evaluating, inspecting,
+# exporting or resuming it keeps the newline where the recipe at hand leaves data.separator unset.
+LEGACY_SEPARATOR = "\n"
+
+
+def predates_separator(run_dir: str | Path) -> bool:
+    """Whether the run directory's recipe.yaml was written before data.separator existed. False without a readable
+    one (a merged model, a GGUF file, an adapter delft did not train): nothing says how those prompted."""
+    path = Path(run_dir) / RECIPE
+    if not path.is_file():
+        return False
+    try:
+        data = read_yaml(path).get("data")
+    except UserError:
+        return False
+    return isinstance(data, dict) and "separator" not in data
+
+
+def as_trained(data_cfg: DataConfig, run_dir: str | Path | None) -> DataConfig:
+    """``data_cfg`` as the model in ``run_dir`` (None: the base model) saw its prompts: for a run trained before
+    data.separator existed, a copy whose unset separator is the legacy newline; else ``data_cfg`` itself."""
+    if data_cfg.separator is not None or data_cfg.prompt_separator() == LEGACY_SEPARATOR or run_dir is None \
+            or not predates_separator(run_dir):
+        return data_cfg
+    return data_cfg.model_copy(update={"separator": LEGACY_SEPARATOR})
+
+
+def keep_legacy_separator(recipe: Recipe) -> Recipe:
+    """``recipe``, changed in place: each unset data.separator (data, eval.data) whose format's default is not the
+    legacy newline set to it."""
+    for data in (recipe.data, recipe.eval.data):
+        if data is not None and data.separator is None and data.prompt_separator() != LEGACY_SEPARATOR:
+            data.separator = LEGACY_SEPARATOR
+    return recipe
+
+
+def load_run_recipe(run_dir: str | Path) -> Recipe:
+    """A run directory's recipe.yaml as the run trained: written before data.separator existed, the legacy
+    newline where it is unset."""
+    recipe = load_recipe(Path(run_dir) / RECIPE)
+    return keep_legacy_separator(recipe) if predates_separator(run_dir) else recipe
 
 
 MAX_BYTES = 1_000_000  # a recipe is a few kilobytes; this leaves room for long prompts and lists

@@ -185,6 +185,14 @@ MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exac
 
 GENERATED = ("synthetic", "reasoning_gym")  # sources made by a generator: their format is their name
 
+# data.separator when unset: the text between a plain prompt and its completion, per format. prompt_completion rows
+# are the user's own text, joined exactly as written (as TRL joins them): "6890+4=" and "6894" train as
+# "6890+4=6894". The other formats are questions delft makes into prompts (its arithmetic, reasoning-gym's,
+# GSM8K's, SVAMP's, the alpaca template, chat messages without a template): the answer starts on a line of its own,
+# as delft rendered them before the key existed.
+FORMAT_SEPARATORS = {"prompt_completion": "", "alpaca": "\n", "chat": "\n", "gsm8k": "\n", "svamp": "\n",
+                     "synthetic": "\n", "reasoning_gym": "\n"}
+
 
 class SyntheticConfig(Section):
     n: int = Field(2000, gt=0, description="Number of problems generated.")
@@ -236,6 +244,10 @@ class DataConfig(Section):
     template: Literal["auto", "chat", "plain"] = Field(
         "auto", description="Prompt rendering: the tokenizer's chat template ('auto' uses it when present) or plain text.")
     system_prompt: Optional[str] = Field(None, description="System message for chat templates.")
+    separator: Optional[str] = Field(
+        None, description="Text between a plain prompt (no chat template) and its completion, e.g. ' ' or '\\n'; a "
+        "prompt that already ends in a space or newline gets none. Unset: the format's default, '' for "
+        "prompt_completion (the text as written, as TRL joins it), a newline for the others.")
     max_length: int = Field(256, gt=8, description="Tokens per example; longer examples are truncated (and counted).")
     limit: Optional[int] = Field(None, gt=0, description="Use only the first N rows.")
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: completion only).")
@@ -251,6 +263,10 @@ class DataConfig(Section):
             if (self.source == name) != (self.format == name):
                 raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
         return self
+
+    def prompt_separator(self) -> str:
+        """What follows a plain prompt before its completion: data.separator, else the format's default."""
+        return FORMAT_SEPARATORS[self.format] if self.separator is None else self.separator
 
 
 class EarlyStoppingConfig(Section):

@@ -16,7 +16,7 @@ from delft import rundir
 from delft.errors import UserError
 from delft.outputs import holds_cwd_or_home, said_removed, write_atomic
 from delft.recipe.schema import Recipe
-from delft.recipe.files import load_recipe
+from delft.recipe.files import keep_legacy_separator, load_run_recipe, predates_separator
 from delft.recipe.keys import recipe_differences
 from delft.rundir import latest_checkpoint
 from delft.training import distributed as dist
@@ -73,7 +73,9 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         raise UserError(f"{run_dir} already holds a finished run", "output.dir",
                         "Choose another output.dir (e.g. --set output.dir=runs/new) or pass --force to replace it.")
     if ckpt is not None and resume is not False:
-        saved = load_recipe(run_dir / rundir.RECIPE)
+        saved = load_run_recipe(run_dir)
+        if predates_separator(run_dir):  # the run goes on with the prompts it started with
+            keep_legacy_separator(recipe)
         diff = recipe_differences(saved, recipe, RESUME_FREE_KEYS)
         diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
         if diff:

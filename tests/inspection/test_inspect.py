@@ -384,9 +384,10 @@ def test_eval_and_inspect_give_the_same_answer(tiny_model_dir, tmp_path, templat
     [evaluated] = run_eval(None, [], str(tiny_model_dir), str(data), "prompt_completion", None, True, None, None,
                            overrides, Console(record=True, width=200))
     assert evaluated.template == template
+    as_data = overrides + [f"data.source={data}", "data.format=prompt_completion"]  # its prompts as eval's
     for prompt, rendered, generated in zip(prompts, evaluated.prompts, evaluated.generated):
-        result = run_inspect(None, prompt, str(tiny_model_dir), [], None, 24, None, None, overrides,
-                                Console(record=True, width=200))
+        result = run_inspect(None, prompt, str(tiny_model_dir), [], None, 24, None, None, as_data,
+                             Console(record=True, width=200))
         view = result.models[0]
         assert view.prompt_text == rendered and view.template == template
         assert result.answer == cut_at_stop(generated, evaluated.stop_strings)
