@@ -156,6 +156,9 @@ def _control_moves(rows: list[dict], controls: list[str]) -> dict:
     return out
 
 
+MOVES = {"up": "moved up", "down": "moved down (significant, the wrong way)", "no": "did not move"}
+
+
 def _direction(r: dict) -> str:
     if r["holm_p"] is None or r["holm_p"] >= ALPHA:
         return "no"
@@ -198,7 +201,7 @@ def verdicts(rows: list[dict], controls: list[str], margin_points: float, margin
     stated = {True: "study file", False: "delft's default", None: "not recorded"}[margin_stated]
     return {"rules": {"margin_points": {"value": margin_points, "from": stated},
                       "alpha": {"value": ALPHA, "from": "delft's default"},
-                      "test": {"value": "paired t over seeds, Holm-adjusted", "from": "delft's default"},
+                      "test": {"value": "paired t test over seeds, Holm-adjusted", "from": "delft's default"},
                       "floor_percent": {"value": 100 * FLOOR, "from": "delft's default"}},
             "controls": moves, "arms": arms}
 
@@ -224,7 +227,7 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
         for m in moves:
             holm_p = "-" if m["holm_p"] is None else f"{m['holm_p']:.3g}"
             lines.append(f"- Control **{control}** on {m['set']} ({m['metric']}): {100 * m['difference']:+.1f} "
-                         f"points, Holm p {holm_p}: moved **{m['moved']}**.")
+                         f"points, Holm p {holm_p}: **{MOVES[m['moved']]}**.")
     for a in v["arms"]:
         lines.append(f"- {a['recipe']} on {a['set']} ({a['metric']}): **{a['verdict']}** ({a['why']}).")
     lines.append("")
