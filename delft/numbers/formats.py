@@ -8,6 +8,8 @@ of these forms and :func:`read_numbers` undoes it exactly: ``read_numbers(write_
 every string ``s``. :func:`written_places` gives each character of a written text the place of the digit it is
 (the place ``delft.numbers.digits.run_places`` gives that digit in the natural text), so the digit losses and
 inspect can score a reversed or prefixed digit at its true place. Only ASCII digits are digits here.
+:func:`write_last_number` and :func:`read_last_number` do the same to a text's last number only
+(``data.numbers.scope: answer``, the final answer of a completion).
 
 **Reversed** (``order="reversed"``, no prefix). A *run* is a maximal stretch of ASCII digits joined by single
 ``.`` or ``,`` characters (``[0-9]+([.,][0-9]+)*``). Each run is written back to front, character by character;
@@ -167,3 +169,34 @@ def prefix_characters(text: str, order: str = "natural", count_prefix: bool = Fa
     """For every character of a written text: is it part of a count prefix (``{``, the counts, ``:``, ``}``)? Those
     characters are written digits that are no digit of the number, which the losses must not score as one."""
     return [j is None for j in _natural_index(text, order, count_prefix)[1]]
+
+
+def _last_only(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Sources]]) -> str:
+    """``text`` with only the last match of ``pattern`` replaced by ``piece(match)``."""
+    found = list(pattern.finditer(text))
+    if not found:
+        return text
+    m = found[-1]
+    return text[:m.start()] + piece(m)[0] + text[m.end():]
+
+
+def write_last_number(text: str, order: str = "natural", count_prefix: bool = False) -> str:
+    """``text`` with only its last number written in the given form: the final answer of a completion (a bare
+    answer, ``#### 72``, a worked solution's closing number), the one the answer scorer's last-number rule reads.
+    Reversed, the last run is written back to front; prefixed, the last number is wrapped."""
+    _check(order, count_prefix)
+    if count_prefix:
+        return _last_only(text, _NUMBER, lambda m: _wrap(m, order))
+    if order == "reversed":
+        return _last_only(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
+    return text
+
+
+def read_last_number(text: str, order: str = "natural", count_prefix: bool = False) -> str:
+    """The inverse of :func:`write_last_number`: only the last written number (run or wrapper) is read back."""
+    _check(order, count_prefix)
+    if count_prefix:
+        return _last_only(text, _WRAPPED, lambda m: _unwrap(m, order))
+    if order == "reversed":
+        return _last_only(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
+    return text

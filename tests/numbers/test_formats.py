@@ -10,7 +10,15 @@ import re
 import pytest
 
 from delft.numbers.digits import run_places
-from delft.numbers.formats import ORDERS, prefix_characters, read_numbers, write_numbers, written_places
+from delft.numbers.formats import (
+    ORDERS,
+    prefix_characters,
+    read_last_number,
+    read_numbers,
+    write_last_number,
+    write_numbers,
+    written_places,
+)
 
 FORMS = [(order, prefix) for order in ORDERS for prefix in (False, True)]
 
@@ -204,3 +212,25 @@ def test_a_second_point_keeps_run_places_convention():
     assert written_places("{1.1:1.2}.{1:3}", "natural", True)[-2] == run_places(list("1.2.3"))[-1] == -3
     assert write_numbers(".532.366", "natural", True) == ".{3.3:532.366}"
     assert written_places(".{3.3:532.366}", "natural", True)[6] == run_places(list(".532.366"))[1] == 7
+
+
+LAST = [  # (natural, order, prefix, written): only the last number, the completion's final answer
+    ("12+9=21", "reversed", False, "12+9=12"),
+    ("The sum is 1,012.5\n#### 1,012.5", "reversed", False, "The sum is 1,012.5\n#### 5.210,1"),
+    ("a 12 b 34 c", "natural", True, "a 12 b {2:34} c"),
+    ("#### -1234.5", "reversed", True, "#### -{4.1:5.4321}"),
+    ("no numbers", "reversed", True, "no numbers"),
+    ("12+9=21", "natural", False, "12+9=21"),
+]
+
+
+@pytest.mark.parametrize("natural,order,prefix,written", LAST)
+def test_only_the_last_number_is_written_and_read_back(natural, order, prefix, written):
+    assert write_last_number(natural, order, prefix) == written
+    assert read_last_number(written, order, prefix) == natural
+
+
+@pytest.mark.parametrize("order,prefix", FORMS)
+@pytest.mark.parametrize("text", HAND)
+def test_the_last_number_reads_back_on_every_hand_written_form(text, order, prefix):
+    assert read_last_number(write_last_number(text, order, prefix), order, prefix) == text
