@@ -1,10 +1,14 @@
-"""An example as the model sees it: the prompt and completion text, through the tokenizer's chat template when
-the recipe asks for one."""
+"""An example as the model sees it: the prompt and completion text, its numbers written as ``data.numbers`` says
+(delft.numbers.formats), through the tokenizer's chat template when the recipe asks for one; and a model's answer
+read back into natural numbers before it is scored."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from delft.data.sources import Example
 from delft.errors import UserError
+from delft.numbers.formats import read_last_number, read_numbers, write_last_number, write_numbers
 
 
 def use_chat_template(tokenizer, cfg) -> bool:
@@ -22,6 +26,37 @@ def _messages(example: Example, cfg) -> list[dict]:
     return msgs
 
 
+def written_completion(text: str, cfg) -> str:
+    """A completion with its numbers in the data section's form (all of them, or with scope answer its last)."""
+    n = cfg.numbers
+    if not n.active():
+        return text
+    write = write_last_number if n.scope == "answer" else write_numbers
+    return write(text, n.order, n.count_prefix)
+
+
+def read_completion(text: str, cfg) -> str:
+    """A model's answer, written in the data section's form, as natural text for the scorer. Give it the text cut
+    at the stop strings: with scope answer only the last number is read back, which must be the answer's."""
+    n = cfg.numbers
+    if not n.active():
+        return text
+    read = read_last_number if n.scope == "answer" else read_numbers
+    return read(text, n.order, n.count_prefix)
+
+
+def _written_prompt(example: Example, cfg) -> Example:
+    """The example with its prompt's numbers written as the model saw them: only with scope everything."""
+    n = cfg.numbers
+    if not n.active() or n.scope != "everything":
+        return example
+    if isinstance(example.prompt, list):
+        prompt = [{**m, "content": write_numbers(m["content"], n.order, n.count_prefix)} for m in example.prompt]
+    else:
+        prompt = write_numbers(example.prompt, n.order, n.count_prefix)
+    return replace(example, prompt=prompt)
+
+
 # A plain prompt that already ends in one of these has its break: no separator follows it (alpaca's template ends
 # "### Response:\n", some reasoning-gym questions end in a newline; a second one would be a blank line).
 PROMPT_BREAKS = ("\n", " ")
@@ -29,7 +64,12 @@ PROMPT_BREAKS = ("\n", " ")
 
 def render_prompt(example: Example, tokenizer, cfg) -> str:
     """The exact text the answer continues: the chat template's rendering when configured, else the plain prompt
-    (chat messages one per line) followed by ``cfg.prompt_separator()`` unless it already ends in PROMPT_BREAKS."""
+    (chat messages one per line) followed by ``cfg.prompt_separator()`` unless it already ends in PROMPT_BREAKS.
+    With data.numbers scope everything, the prompt's numbers are written in its form."""
+    return _render_written_prompt(_written_prompt(example, cfg), tokenizer, cfg)
+
+
+def _render_written_prompt(example: Example, tokenizer, cfg) -> str:
     if use_chat_template(tokenizer, cfg):
         return tokenizer.apply_chat_template(_messages(example, cfg), tokenize=False, add_generation_prompt=True)
     prompt = example.prompt
@@ -39,8 +79,10 @@ def render_prompt(example: Example, tokenizer, cfg) -> str:
 
 
 def render_pair(example: Example, tokenizer, cfg) -> tuple[str, str]:
-    """(prompt text, completion text including the end-of-turn / EOS the model must learn)."""
-    prompt = render_prompt(example, tokenizer, cfg)
+    """(prompt text, completion text including the end-of-turn / EOS the model must learn), numbers written as
+    data.numbers says."""
+    example = replace(_written_prompt(example, cfg), completion=written_completion(example.completion, cfg))
+    prompt = _render_written_prompt(example, tokenizer, cfg)
     if use_chat_template(tokenizer, cfg):
         full = tokenizer.apply_chat_template(
             _messages(example, cfg) + [{"role": "assistant", "content": example.completion}], tokenize=False)

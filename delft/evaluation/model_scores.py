@@ -107,9 +107,14 @@ def evaluate_models(columns: Sequence[tuple[str, Optional[str]]], base: str, pro
     with progress_bar(console) as progress:
         for name, adapter in columns:
             column_data = as_trained(data_cfg, adapter)  # a run trained before data.separator: its newline
-            if column_data is not data_cfg:
+            if column_data.separator != data_cfg.separator:
                 console.print(f"[dim]{name} was trained before data.separator existed: a newline follows its plain "
                               "prompts (no chat template), as in its training[/]", highlight=False)
+            if column_data.numbers.active():
+                n = column_data.numbers
+                console.print(f"[dim]{name} writes numbers in order {n.order}, count_prefix {n.count_prefix}, scope "
+                              f"{n.scope} (data.numbers): its answers are read back before scoring[/]",
+                              highlight=False)
             task = progress.add_task(name, total=len(problems))
             if in_llama_cpp(adapter, base, recipe_cfg):
                 r = evaluate_gguf(name, Path(adapter or base), problems, column_data, recipe_cfg, base)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from delft.data.batches import prompt_ids
-from delft.data.prompts import render_prompt, use_chat_template
+from delft.data.prompts import read_completion, render_prompt, use_chat_template
 from delft.evaluation.fewshot import fewshot_prompt, question_text
 from delft.evaluation.generation import Sampling, stop_strings
 from delft.evaluation.problems import Problem, task_scorer
@@ -89,10 +89,14 @@ def sampling_of(eval_cfg):
     return Sampling(eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p, eval_cfg.seed)
 
 
-def score_text(text: str, problem: Problem, stops: Sequence[str], task_scorer=None) -> Scored:
+def score_text(text: str, problem: Problem, stops: Sequence[str], task_scorer=None, data_cfg=None) -> Scored:
     """One answer scored: delft's extraction against the gold number, the harness's two scores beside it, and a
-    generated task's own score (delft.evaluation.problems.task_scorer) when given."""
-    s = score(extract_answer(text, stops), problem.gold, harness_scores(cut_at_stop(text, stops), problem.gold_text))
+    generated task's own score (delft.evaluation.problems.task_scorer) when given. With ``data_cfg`` the answer,
+    cut at the stop strings, is first read back from its data.numbers form (delft.data.prompts.read_completion)."""
+    text = cut_at_stop(text, stops)
+    if data_cfg is not None:
+        text = read_completion(text, data_cfg)
+    s = score(extract_answer(text, stops), problem.gold, harness_scores(text, problem.gold_text))
     if task_scorer is not None:
         s.task_score = task_scorer(s.extraction.canonical, problem)
     return s
@@ -103,7 +107,7 @@ def scored_result(name: str, adapter: Optional[str], chat: bool, stops: list[str
     """A ModelResult from each problem's answer texts: one (greedy) or several (sampled; ``scored`` then holds
     each problem's majority-vote answer, the samples are kept in ``samples``)."""
     scorer = task_scorer(data_cfg)
-    groups = [[score_text(t, p, stops, scorer) for t in ts] for ts, p in zip(texts, problems)]
+    groups = [[score_text(t, p, stops, scorer, data_cfg) for t in ts] for ts, p in zip(texts, problems)]
     sampled = any(len(ts) > 1 for ts in texts)
     chosen = [majority_index(g) if sampled else 0 for g in groups]
     scored = [g[i] for g, i in zip(groups, chosen)]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import yaml
 
 from delft.errors import UserError
-from delft.recipe.schema import DataConfig, Recipe, validate_recipe
+from delft.recipe.schema import DataConfig, NumbersConfig, Recipe, validate_recipe
 from delft.rundir import RECIPE
 
 
@@ -118,13 +118,35 @@ def predates_separator(run_dir: str | Path) -> bool:
     return isinstance(data, dict) and "separator" not in data
 
 
+def trained_numbers(run_dir: str | Path | None) -> Optional[NumbersConfig]:
+    """How the model in ``run_dir`` writes numbers: its recipe.yaml's data.numbers (natural in one written before
+    the key existed), natural for the base model (None, which never saw another form); None where no readable
+    recipe.yaml says (a merged model, a GGUF file, an adapter delft did not train)."""
+    if run_dir is None:
+        return NumbersConfig()
+    path = Path(run_dir) / RECIPE
+    if not path.is_file():
+        return None
+    try:
+        data = read_yaml(path).get("data")
+        numbers = data.get("numbers") if isinstance(data, dict) else None
+        return NumbersConfig.model_validate(numbers or {})
+    except (UserError, ValueError, AttributeError):
+        return None
+
+
 def as_trained(data_cfg: DataConfig, run_dir: str | Path | None) -> DataConfig:
-    """``data_cfg`` as the model in ``run_dir`` (None: the base model) saw its prompts: for a run trained before
-    data.separator existed, a copy whose unset separator is the legacy newline; else ``data_cfg`` itself."""
-    if data_cfg.separator is not None or data_cfg.prompt_separator() == LEGACY_SEPARATOR or run_dir is None \
-            or not predates_separator(run_dir):
-        return data_cfg
-    return data_cfg.model_copy(update={"separator": LEGACY_SEPARATOR})
+    """``data_cfg`` as the model in ``run_dir`` (None: the base model) saw its prompts and writes its answers: its
+    own data.numbers (trained_numbers; ``data_cfg``'s where nothing says), and for a run trained before
+    data.separator existed an unset separator as the legacy newline. ``data_cfg`` itself when nothing differs."""
+    update: dict[str, Any] = {}
+    numbers = trained_numbers(run_dir)
+    if numbers is not None and numbers != data_cfg.numbers:
+        update["numbers"] = numbers
+    if data_cfg.separator is None and data_cfg.prompt_separator() != LEGACY_SEPARATOR and run_dir is not None \
+            and predates_separator(run_dir):
+        update["separator"] = LEGACY_SEPARATOR
+    return data_cfg.model_copy(update=update) if update else data_cfg
 
 
 def keep_legacy_separator(recipe: Recipe) -> Recipe:

@@ -234,6 +234,25 @@ class ReasoningGymConfig(Section):
         "has one (gsm_symbolic's answer_cot, ending '#### N').")
 
 
+class NumbersConfig(Section):
+    """How numbers are written in the training text (delft.numbers.formats, docs/number_formats.md); eval and
+    held-out accuracy read a run's answers back with the same form before scoring them."""
+
+    order: Literal["natural", "reversed"] = Field(
+        "natural", description="Digit order: natural, or reversed (each run of digits, '.' and ',' written back to "
+        "front, least significant digit first: 1234.5 -> 5.4321; RevOrder).")
+    count_prefix: bool = Field(False, description="Wrap every number with its digit count, {n:number} (42 -> "
+                               "{2:42}, 1234.5 -> {4.1:1234.5}; NumeroLogic).")
+    scope: Literal["answer", "completion", "everything"] = Field(
+        "completion", description="Which numbers are rewritten: answer (only the completion's last number, its "
+        "final answer), completion (every number of the trained completion) or everything (the prompts' numbers "
+        "too, in training, eval and held-out accuracy alike).")
+
+    def active(self) -> bool:
+        """Whether any number is written other than naturally."""
+        return self.order != "natural" or self.count_prefix
+
+
 class DataConfig(Section):
     source: str = Field("synthetic", description="'synthetic', 'reasoning_gym', a local .jsonl/.json/.csv/.parquet "
                         "file, or a hub id.")
@@ -253,6 +272,8 @@ class DataConfig(Section):
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: completion only).")
     val_size: float = Field(0.05, ge=0, description="Validation split: a fraction (<1) or a number of rows (>=1).")
     packing: bool = Field(False, description="Pack short examples into rows (no attention across examples).")
+    numbers: NumbersConfig = Field(default_factory=NumbersConfig, description="How numbers are written in the "
+                                   "training text (reversed digits, digit-count prefixes) and read back in eval.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="The built-in arithmetic source.")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
                                               description="Generated problems from reasoning-gym (source reasoning_gym).")
@@ -506,6 +527,10 @@ class Recipe(Section):
             raise ValueError("early stopping and keep_best on val_loss need a validation split: set data.val_size")
         if tracked and self.train.stage == "grpo":
             raise ValueError("early_stopping and keep_best apply to train.stage sft")
+        if self.train.stage == "grpo" and self.data.numbers.active():
+            raise ValueError("data.numbers writes numbers reversed or prefixed, which GRPO's numeric rewards do not "
+                             "read back yet: use train.stage sft, or the natural form (order: natural, "
+                             "count_prefix: false)")
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")

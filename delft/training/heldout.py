@@ -15,19 +15,21 @@ from typing import Sequence
 
 from rich.console import Console
 
-from delft.data.prompts import render_prompt, use_chat_template
+from delft.data.prompts import read_completion, render_prompt, use_chat_template
 from delft.evaluation.contamination import generated_exclusion
 from delft.evaluation.generation import greedy, stop_strings
 from delft.evaluation.metrics import METRICS, summarize
 from delft.evaluation.problems import disjoint_from_training, load_problems
-from delft.numbers.answers import extract_answer, score
+from delft.numbers.answers import cut_at_stop, extract_answer, score
 
 
 def heldout_data(recipe, n: int):
-    """The eval set's DataConfig limited to its first ``n`` problems (as ``delft eval --limit n`` resolves it)."""
+    """The eval set's DataConfig limited to its first ``n`` problems (as ``delft eval --limit n`` resolves it),
+    with the numbers written as the run trains them (data.numbers, as eval reads them from its recipe.yaml)."""
     data = recipe.eval_data()
     limit = min(n, data.limit) if data.limit else n
-    return disjoint_from_training(data.model_copy(update={"limit": limit, "val_size": 0}), recipe.data)
+    update = {"limit": limit, "val_size": 0, "numbers": recipe.data.numbers}
+    return disjoint_from_training(data.model_copy(update=update), recipe.data)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class HeldOut:
     tokenizer: object
     max_new_tokens: int
     batch_size: int
+    data: object = None  # its DataConfig: how the answers' numbers are read back (None: as written)
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer, console: Console) -> "HeldOut":
@@ -49,7 +52,7 @@ class HeldOut:
         chat = use_chat_template(tokenizer, data)
         prompts = [render_prompt(p.example, tokenizer, data) for p in problems]
         return cls(problems, prompts, chat, stop_strings(tokenizer, chat), tokenizer, recipe.eval.max_new_tokens,
-                   recipe.eval.batch_size)
+                   recipe.eval.batch_size, data)
 
     def measure(self, model) -> dict:
         """Exact match, tolerance match and digit accuracy of greedy answers (the metrics with a
@@ -68,6 +71,9 @@ class HeldOut:
             model.config.use_cache = use_cache
             if was_training:
                 model.train()
-        scored = [score(extract_answer(g.text, self.stops), p.gold) for g, p in zip(generations, self.problems)]
+        texts = [cut_at_stop(g.text, self.stops) for g in generations]
+        if self.data is not None:
+            texts = [read_completion(t, self.data) for t in texts]
+        scored = [score(extract_answer(t, self.stops), p.gold) for t, p in zip(texts, self.problems)]
         m = summarize(scored, resamples=0)
         return {**{x.heldout: m[x.key] for x in METRICS if x.heldout}, "accuracy_n": m["n"]}
