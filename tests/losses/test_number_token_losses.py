@@ -243,7 +243,7 @@ def test_eval_runs_on_the_llama3_vocabulary_model(llama3_run, tmp_path):
     run, data = llama3_run
     [evaluated] = run_eval(None, [str(run)], None, str(data), "prompt_completion", 4, False, None, None,
                            ["eval.max_new_tokens=8", "eval.batch_size=4", "eval.bootstrap=10"],
-                           Console(record=True, width=200))
+                           Console(record=True, width=200), allow_seen=True)  # its own training rows, on purpose
     assert len(evaluated.generated) == len(evaluated.scored) == 4
     # answers are read from the text and places from its characters, whatever the tokens were
     places = evaluated.metrics["per_place"]
