@@ -19,7 +19,7 @@ import numpy as np
 
 from delft.errors import UserError
 from delft.evaluation.metrics import EXACT_MATCH
-from delft.experiments.seed_level import FLOOR
+from delft.experiments.seed_level import FLOOR, scores_by_seed
 from delft.experiments.seed_tests import ALPHA, POWER, detectable_difference
 
 # The per-problem variance of a paired difference of two right/wrong answers when nothing is known about them: two
@@ -45,10 +45,8 @@ def pilot_spreads(pilot: dict) -> dict[tuple[str, str], tuple[float, float]]:
     for key, sec in pilot.get("evals", {}).items():
         if sec["settings"]["mode"] != "greedy":
             continue
-        scores: dict[str, dict[int, np.ndarray]] = {}
-        for m in sec["models"]:
-            if m.get("recipe") is not None:
-                scores.setdefault(m["recipe"], {})[m["seed"]] = np.array([float(p["exact"]) for p in m["predictions"]])
+        scores = {name: {s: np.array(flags) for s, flags in by_seed.items()}
+                  for name, by_seed in scores_by_seed(sec).items()}
         ref = scores.get(sec["settings"]["reference"], {})
         for name, by_seed in scores.items():
             seeds = sorted(set(by_seed) & set(ref))

@@ -38,7 +38,7 @@ def analyse(report: dict, controls: list[str], margin_points: float, margin_stat
             "flips": flips(report)}
 
 
-def _by_seed(sec: dict, keep: Optional[list[int]] = None) -> dict[str, dict[int, list[float]]]:
+def scores_by_seed(sec: dict, keep: Optional[list[int]] = None) -> dict[str, dict[int, list[float]]]:
     """A greedy set's per-problem exact match, by recipe and seed (only the problems at positions ``keep``)."""
     scores: dict[str, dict[int, list[float]]] = {}
     for m in sec["models"]:
@@ -67,7 +67,7 @@ def unseen_positions(sec: dict) -> Optional[list[int]]:
 def _set_rows(key: str, sec: dict, keep: Optional[list[int]]) -> list[dict]:
     """One row per recipe other than the reference on one greedy set (or its problems at ``keep``)."""
     ref = sec["settings"]["reference"]
-    scores = _by_seed(sec, keep)
+    scores = scores_by_seed(sec, keep)
     seeds = _check_seeds(f"study.json: evals.{key}", scores, ref)
     name = key if keep is None else UNSEEN.format(key=key)
     return [comparison({"set": name, "recipe": r, "reference": ref, "metric": EXACT_MATCH.key, "seeds": seeds,
