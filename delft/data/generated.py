@@ -85,6 +85,8 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
         q = _operand(rng, cfg, decimals)
         a = b * q
     result = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
+    if cfg.style == "compact":
+        return f"{format_number(a)}{op}{format_number(b)}=", format_number(result)
     return f"What is {format_number(a)} {op} {format_number(b)}?", format_number(result)
 
 

@@ -74,13 +74,13 @@ def _spread_for(row: dict, stated: Optional[float], piloted: dict) -> tuple[floa
 
 
 def plan_rows(rows: list[dict], seeds: int, margin_points: float, seed_spread: Optional[float],
-              pilot: Optional[dict]) -> list[dict]:
-    """Each comparison with its spread, the difference it can detect (80 % power, Holm's first step) and whether
-    that is larger than the margin."""
+              pilot: Optional[dict], family: Optional[int] = None) -> list[dict]:
+    """Each comparison with its spread, the difference it can detect (80 % power, Holm's first step over
+    ``family`` comparisons, default these rows) and whether that is larger than the margin."""
     piloted = pilot_spreads(pilot) if pilot is not None else {}
     if seed_spread is None and not piloted:
         raise ValueError("a plan needs a stated spread or a pilot with 2 or more seeds of a compared recipe")
-    alpha = ALPHA / max(1, len(rows))
+    alpha = ALPHA / max(1, family or len(rows))
     out = []
     for r in rows:
         tau, w, source = _spread_for(r, seed_spread, piloted)
@@ -129,4 +129,18 @@ def plan_lines(plan: Optional[dict]) -> list[str]:
              "| " + " | ".join(PLAN_COLUMNS) + " |", "|" + "---|" * len(PLAN_COLUMNS)]
     lines += ["| " + " | ".join(plan_cells(r, plan["margin_points"])) + " |" for r in plan["rows"]]
     lines.append("")
+    if plan.get("transition_endpoints"):
+        lines += [transition_plan_line(plan), ""]
     return lines
+
+
+def transition_plan_line(plan: dict) -> str:
+    """What the sign-flip test can show on the transition endpoints (steps sooner, learned) with the study's seeds:
+    its smallest possible p against Holm's strictest level, which counts those endpoints too."""
+    floor, alpha = plan["sign_flip_floor"], plan["rows"][0]["alpha"]
+    seeds = plan["rows"][0]["seeds"]
+    reach = "can" if floor < alpha else "cannot"
+    return (f"The {plan['transition_endpoints']} transition endpoints (steps sooner, learned) are decided by the "
+            f"sign-flip test: with {seeds} seeds its smallest p is {floor:.3g}, against Holm's strictest level "
+            f"{alpha:.3g} over all {round(ALPHA / alpha)} comparisons: the first of them {reach} be significant "
+            "(only when nearly every seed agrees).")

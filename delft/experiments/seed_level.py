@@ -23,6 +23,7 @@ from delft.experiments.seed_tests import (
     sign_flip_test,
     t_test,
 )
+from delft.experiments.transitions import LEARNED, STEPS_SOONER, transition_rows
 from delft.outputs import tables_console
 
 RESAMPLES = 2000
@@ -111,7 +112,13 @@ def seed_analysis(report: dict) -> list[dict]:
         if unseen[key] is not None:
             rows += _set_rows(key, sec, unseen[key])
     rows += _curve_rows(report.get("curves") or {}, unseen)
-    p = [r["t_test"]["p"] for r in rows]
+    transitions = report.get("transitions")
+    if transitions:
+        by_recipe = {name: {int(s): v for s, v in per_seed.items()}
+                     for name, per_seed in transitions["recipes"].items()}
+        rows += transition_rows(transitions, _check_seeds("study.json: transitions", by_recipe,
+                                                          transitions["reference"]))
+    p = [deciding_p(r) for r in rows]
     if None in p:  # one seed: no test over seeds, nothing to adjust
         for r in rows:
             r["holm_p"] = None
@@ -119,6 +126,12 @@ def seed_analysis(report: dict) -> list[dict]:
     for row, adjusted in zip(rows, holm(p)):
         row["holm_p"] = adjusted
     return rows
+
+
+def deciding_p(row: dict) -> Optional[float]:
+    """The p of the test that decides a row: the t test over seeds, or the sign-flip test where the row says so
+    (delft.experiments.transitions: censored steps and 0/1 outcomes)."""
+    return row[row.get("decides", "t_test")]["p"]
 
 
 def _levels(ref: list, arm: list) -> dict:
@@ -171,8 +184,11 @@ def verdict(r: dict, control_up: bool, has_controls: bool, margin: float) -> tup
     set and metric, make the row not readable; otherwise the t interval inside +-margin is equivalent, anything
     else inconclusive."""
     t, levels = r["t_test"], r["levels"]
+    test = "sign-flip test" if r.get("decides") == "sign_flip" else "t test"
     if r["holm_p"] is not None and r["holm_p"] < ALPHA:
-        return ("better" if r["difference"] > 0 else "worse"), f"Holm p {r['holm_p']:.3g} (t test over seeds)"
+        return ("better" if r["difference"] > 0 else "worse"), f"Holm p {r['holm_p']:.3g} ({test} over seeds)"
+    if r.get("unit", "points") != "points":
+        return _endpoint_verdict(r, control_up, has_controls)
     if min(levels.values()) < FLOOR:
         return "not readable", f"a side scores below {100 * FLOOR:g} % (a floor)"
     if has_controls and not control_up:
@@ -184,6 +200,18 @@ def verdict(r: dict, control_up: bool, has_controls: bool, margin: float) -> tup
         why = "one seed: no test over seeds" if len(t["per_seed"]) < 2 else "every seed differs by the same amount: " \
               "no spread, so no t interval"
     return "inconclusive", why
+
+
+def _endpoint_verdict(r: dict, control_up: bool, has_controls: bool) -> tuple[str, str]:
+    """An endpoint counted in steps or seeds (delft.experiments.transitions) and not significant: it has no margin
+    of equivalence, so it is not readable (no run of either side learned, or no control moved up on it) or
+    inconclusive."""
+    if not r["learned_any"]:
+        return "not readable", "no run of either side reached the share: nothing to date"
+    if has_controls and not control_up:
+        return "not readable", "no control moved up on this endpoint"
+    return "inconclusive", "the sign-flip test over seeds finds no difference, and this endpoint has no margin of " \
+                           "equivalence"
 
 
 def verdicts(rows: list[dict], controls: list[str], margin_points: float, margin_stated: Optional[bool]) -> dict:
@@ -284,22 +312,31 @@ def _pts(x: float) -> str:
     return f"{100 * x:+.1f}"
 
 
+UNIT_FORMATS = {"points": _pts, "steps": lambda x: f"{x:+.0f}", "seeds": lambda x: f"{x:+.2f}"}  # per row unit
+
+
 def _p(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _interval(ci: Optional[list]) -> str:
-    return f"[{_pts(ci[0])}, {_pts(ci[1])}]" if ci else "-"
+def _interval(ci: Optional[list], fmt=_pts) -> str:
+    return f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "-"
 
 
 def seed_level_cells(r: dict) -> list[str]:
-    """One row of :func:`seed_analysis` as the cells of SEED_LEVEL_COLUMNS (summary.md and tables.txt alike)."""
+    """One row of :func:`seed_analysis` as the cells of SEED_LEVEL_COLUMNS (summary.md and tables.txt alike), in
+    the row's unit (points of exact match; steps and seeds for delft.experiments.transitions' endpoints)."""
     t, flip, boot = r["t_test"], r["sign_flip"], r["bootstrap"]
-    detectable = "-" if r["detectable"] is None else f"{100 * r['detectable']:.1f}"
+    unit = r.get("unit", "points")
+    fmt = UNIT_FORMATS[unit]
+    detectable = "-" if r["detectable"] is None else fmt(r["detectable"]).lstrip("+")
     where = r["set"] + (f" (n={r['problems']})" if r.get("problems") else "")
-    return [where, r["metric"], f"{r['recipe']} vs {r['reference']}", _pts(r["difference"]),
-            ", ".join(_pts(d) for d in t["per_seed"]), _interval(t["ci"]), _p(t["p"]), _p(r["holm_p"]),
-            f"{_p(flip['p'])} ({_p(flip['smallest_possible_p'])})", _interval(boot["ci"]), detectable]
+    metric = r["metric"] + ("" if unit == "points" else f" ({unit})")
+    decides = " *" if r.get("decides") == "sign_flip" else ""
+    return [where, metric, f"{r['recipe']} vs {r['reference']}", fmt(r["difference"]),
+            ", ".join(fmt(d) for d in t["per_seed"]), _interval(t["ci"], fmt), _p(t["p"]), _p(r["holm_p"]),
+            f"{_p(flip['p'])} ({_p(flip['smallest_possible_p'])}){decides}",
+            "-" if boot is None else _interval(boot["ci"]), detectable]
 
 
 def seed_level_lines(rows: list[dict]) -> list[str]:
@@ -317,6 +354,11 @@ def seed_level_lines(rows: list[dict]) -> list[str]:
              "smallest true difference the t test over these seeds finds with 80 % power at the 5 % level, from "
              "the seeds' own spread.", "",
              "| " + " | ".join(SEED_LEVEL_COLUMNS) + " |", "|" + "---|" * len(SEED_LEVEL_COLUMNS)]
+    if any(r.get("decides") == "sign_flip" for r in rows):
+        lines[2] += (f" Rows in steps ({STEPS_SOONER}: the reference's first step at the share minus the recipe's) "
+                     f"and seeds ({LEARNED}: the share of seeds whose recipe run learned and whose reference run did "
+                     "not, minus the reverse) are the transition's endpoints (see 'When the runs learned'); the "
+                     "sign-flip test decides them (marked *) and its p enters Holm's correction.")
     lines += ["| " + " | ".join(seed_level_cells(r)) + " |" for r in rows]
     lines.append("")
     return lines

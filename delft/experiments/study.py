@@ -46,10 +46,18 @@ from delft.evaluation.teacher_forced import (
 from delft.experiments.arms import reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
-from delft.experiments.power import PLAN_COLUMNS, comparisons, plan_cells, plan_rows, read_pilot
+from delft.experiments.power import (
+    PLAN_COLUMNS,
+    comparisons,
+    plan_cells,
+    plan_rows,
+    read_pilot,
+    transition_plan_line,
+)
 from delft.experiments.seed_level import MARGIN, analyse, analysis_renderables
 from delft.experiments.seed_tests import POWER
 from delft.experiments.summary import study_summary
+from delft.experiments.transitions import check_measured, run_transitions
 from delft.models.scratch import base_name
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
 from delft.recipe.files import read_yaml
@@ -121,6 +129,10 @@ class StudyConfig(Section):
                           "worse when the t test over seeds, Holm-adjusted, gives p < 0.05; equivalent when the t "
                           "interval over seeds lies inside +-margin and a control moved up on that set; not readable "
                           "on a floor or when no control moved; otherwise inconclusive.")
+    learns_at: Optional[float] = Field(None, gt=0, le=1, description="A held-out exact-match share (e.g. 0.5) at "
+                                       "which a run counts as having learned the task: the study reports each run's "
+                                       "first step there and the seeds that get there, against the reference, from "
+                                       "the runs' train.accuracy_steps measurements (delft.experiments.transitions).")
 
     plan: PowerPlan = Field(default_factory=PowerPlan, description="The between-seed spread `delft study --plan` "
                             "computes the detectable differences from (stated or piloted), written before the runs.")
@@ -440,6 +452,8 @@ def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path
             raise UserError("a curve needs the recipes' train.max_steps (its steps are counted against it)",
                             f"{path}: curve", "Set train.max_steps in the recipes.")
         check_curve(study.curve, cfg0.train.max_steps, f"{path}: curve")
+    if study.learns_at is not None:
+        check_measured({c.name: c.recipe for c in contenders}, f"{path}: learns_at")
 
 
 def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: str, contenders, runs, sections,
@@ -457,20 +471,28 @@ def _curves(study: StudyConfig, sets: dict, loaded: dict, cfg0: Recipe, base: st
                         evaluate)
 
 
+def _transitions(study: StudyConfig, cfg0: Recipe, contenders, runs: dict) -> Optional[dict]:
+    """Each run's first step at learns_at (delft.experiments.transitions), or None when the file asks for none."""
+    if study.learns_at is None:
+        return None
+    t = cfg0.train
+    return run_transitions(runs, reference_name(contenders), study.learns_at, t.accuracy_steps, t.accuracy_examples)
+
+
 def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recipe, contenders, training: dict,
-            sections: dict, curves: dict, seconds: dict) -> dict:
+            sections: dict, curves: dict, seconds: dict, transitions: Optional[dict] = None) -> dict:
     report = json_ready({
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
                      "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
                      "controls": study.controls(), "margin": study.margin,
                      "margin_stated": "margin" in study.model_fields_set, "plan": _plan(study, path, contenders),
-                     "curve": study.curve,
+                     "curve": study.curve, "learns_at": study.learns_at,
                      "seeds": study.seeds, "recipe": cfg0.to_dict(),
                      "evals": {k: v.model_dump(mode="json") for k, v in study.evals.items()}},
         "training": training, "seconds": seconds,
         "evals": {key: section for key, (section, _) in sections.items()},
-        "curves": curves,
+        "curves": curves, "transitions": transitions,
     })
     report["plots"] = {key: str(Path(study.out) / f"{key}.png") for key in sections}
     report.update(analyse(report, study.controls(), study.margin, "margin" in study.model_fields_set))
@@ -489,15 +511,17 @@ def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     names = [ref] + [c.name for c in contenders if c.name != ref]
     greedy = {key: s.limit for key, s in study.evals.items() if s.mode == "greedy"}
     pilot = read_pilot(path.parent / spec.pilot, f"{path}: plan.pilot") if spec.pilot else None
+    planned = comparisons(names, greedy, bool(study.curve))
+    endpoints = 2 * (len(names) - 1) if study.learns_at is not None else 0  # steps sooner, learned: in Holm's family
     try:
-        rows = plan_rows(comparisons(names, greedy, bool(study.curve)), len(study.seeds), study.margin,
-                         spec.seed_spread, pilot)
+        rows = plan_rows(planned, len(study.seeds), study.margin, spec.seed_spread, pilot, len(planned) + endpoints)
     except ValueError:
         raise UserError(f"the pilot {spec.pilot} has no greedy set on which a recipe ran 2 or more seeds beside its "
                         "reference, so it shows no spread between seeds", f"{path}: plan.pilot",
                         "Give a pilot study with 2 or more seeds, or state plan.seed_spread.") from None
     return {"margin_points": study.margin, "source": "seed_spread" if spec.seed_spread is not None else spec.pilot,
-            "rows": rows}
+            "rows": rows, "transition_endpoints": endpoints,
+            "sign_flip_floor": 2 / 2 ** len(study.seeds) if endpoints else None}
 
 
 def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
@@ -519,6 +543,8 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
     for r in plan["rows"]:
         table.add_row(*plan_cells(r, study.margin))
     console.print(table)
+    if plan["transition_endpoints"]:
+        console.print(transition_plan_line(plan))
     wide = [r for r in plan["rows"] if r["above_margin"]]
     if wide:
         console.print(f"[yellow]warning:[/] {len(wide)} of {len(plan['rows'])} comparisons cannot detect a difference "
@@ -551,8 +577,9 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     tables = tables_console()
     sections = _evaluate_all(study, sets, loaded, cfg0, contenders, runs, console, tables)
     curves = _curves(study, sets, loaded, cfg0, base, contenders, runs, sections, console, tables)
+    transitions = _transitions(study, cfg0, contenders, runs)
     seconds = {"training": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)}
-    report = _report(study, path, command, base, cfg0, contenders, training, sections, curves, seconds)
+    report = _report(study, path, command, base, cfg0, contenders, training, sections, curves, seconds, transitions)
     analysis = analysis_renderables(report)
     for target in (console, tables):
         for item in analysis:

@@ -25,6 +25,7 @@ from delft.experiments.seed_level import (
     seed_level_lines,
     verdict_lines,
 )
+from delft.experiments.transitions import transition_lines
 from delft.outputs import pct, write_atomic
 from delft.recipe.files import read_yaml
 from delft.recipe.schema import validate_recipe
@@ -145,6 +146,7 @@ def study_summary(report: dict) -> str:
     lines += seed_level_lines(report.get("seed_level", []))
     lines += flip_lines(report.get("flips") or flips(report))
     lines += curve_lines(report.get("curves") or {})
+    lines += transition_lines(report.get("transitions"))
     lines += verdict_lines(report.get("verdicts"))
     lines += ["## Every set in full", ""]
     for key, sec in report["evals"].items():

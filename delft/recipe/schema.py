@@ -208,6 +208,10 @@ class SyntheticConfig(Section):
         "products with min_digits = max_digits = 3); unset: as the first. Division: the divisor's.")
     decimal_fraction: float = Field(0.25, ge=0, le=1, description="Share of problems with decimal operands.")
     negative_fraction: float = Field(0.15, ge=0, le=1, description="Share of operands that are negative.")
+    style: Literal["question", "compact"] = Field(
+        "question", description="How a problem is written: question ('What is 12 + 305?', the answer on the next "
+        "line) or compact ('12+305=', the answer right after the '='; the from-scratch studies' form, which small "
+        "models learn far sooner). 'copy' problems are 'Repeat 123' in both.")
 
     @model_validator(mode="after")
     def _digits_order(self):
@@ -286,8 +290,13 @@ class DataConfig(Section):
         return self
 
     def prompt_separator(self) -> str:
-        """What follows a plain prompt before its completion: data.separator, else the format's default."""
-        return FORMAT_SEPARATORS[self.format] if self.separator is None else self.separator
+        """What follows a plain prompt before its completion: data.separator, else the format's default (none
+        after a compact synthetic problem's '=', which is where its answer starts)."""
+        if self.separator is not None:
+            return self.separator
+        if self.format == "synthetic" and self.synthetic.style == "compact":
+            return ""
+        return FORMAT_SEPARATORS[self.format]
 
 
 class EarlyStoppingConfig(Section):
