@@ -66,6 +66,7 @@ def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_
     import torch
 
     cfg = data_cfg.model_copy(update={"train_on_prompt": False})
+    vocab = vocab.written_as(cfg.numbers)  # the gold is written in the run's form: its digits at their true places
     items = [tokenize_example(ex, tokenizer, cfg) for ex in examples]
     out = TeacherForced(n_examples=len(items), truncated=sum(t.truncated for t in items))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 
 from delft.data.batches import prompt_ids
-from delft.data.prompts import render_prompt, use_chat_template
+from delft.data.prompts import render_prompt, use_chat_template, written_completion
 from delft.data.sources import Example
 from delft.errors import UserError
 from delft.inspection.records import (
@@ -114,8 +114,10 @@ def _inspect_model(spec: _Spec, cfg, prompt: str, target_text: Optional[str], ma
     """Load one model, teacher-force the answer, free the model: (result, the model's view, its vocabulary)."""
     with using_model(spec.base, spec.adapter, device=cfg.model.device, dtype=cfg.model.dtype) as loaded:
         tok = loaded.tokenizer
-        vocab = NumberVocab.from_tokenizer(tok, PURPOSE)
         data = as_trained(cfg.data, spec.adapter)  # a run trained before data.separator: its newline
+        vocab = NumberVocab.from_tokenizer(tok, PURPOSE).written_as(data.numbers)  # true places, reversed or not
+        if target_text is not None:  # the model writes its numbers in its trained form: force the target in it
+            target_text = written_completion(target_text, data)
         chat = use_chat_template(tok, data)
         prompt_text = render_prompt(Example(prompt, ""), tok, data)
         n_answer = max_new_tokens if target_text is None else len(tok.encode(target_text, add_special_tokens=False))
@@ -149,6 +151,12 @@ def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Option
             console.print(f"[dim]no plot written to {plot}: the answer has no digits[/]")
 
 
+def trained_form(adapter: Optional[str], cfg) -> str:
+    """How a model writes its numbers (data.numbers order and count prefix; the base model: the recipe's)."""
+    n = as_trained(cfg.data, adapter).numbers
+    return f"{n.order} digits" + (" with count prefixes" if n.count_prefix else "")
+
+
 def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Optional[str] = None,
                 adapters: Sequence[str] = (), target: Optional[str] = None, max_new_tokens: int = 32,
                 json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
@@ -168,6 +176,10 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
                                             result, first_vocab)
         if i == 0:
             first_vocab = vocab
+        elif trained_form(spec.adapter, cfg) != trained_form(specs[0].adapter, cfg):
+            raise UserError(f"{spec.name} writes numbers as {trained_form(spec.adapter, cfg)} and {specs[0].name} as "
+                            f"{trained_form(specs[0].adapter, cfg)} (data.numbers): one answer's tokens cannot be "
+                            "read by both", "--compare", "Inspect these models one at a time.")
         elif _structure(view.records) != _structure(result.models[0].records):
             raise UserError(f"{spec.name}'s tokenizer splits the answer {result.answer!r} into digits differently "
                             f"from {specs[0].name}'s", "--compare", "Inspect these models one at a time.")

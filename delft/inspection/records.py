@@ -87,7 +87,7 @@ def char_rows(token_ids: Sequence[int], texts: Sequence[str],
 
 def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: NumberVocab):
     """(kind, number, place) per row (``char_rows``: per token, or per digit of a number token), places
-    from delft.numbers.digits.run_places.
+    from delft.numbers.digits.run_places (or, for a vocabulary written_as a reversed form, its true places).
 
     Thousands separators are dropped before the run rules apply, so "1,234" is one number whose '1' is the
     thousands digit. A '.' is shown (kind "point") when it stands inside a number with a digit after it; a
@@ -97,6 +97,9 @@ def label_positions(token_ids: Sequence[int], texts: Sequence[str], vocab: Numbe
     keep = [i for i in range(len(chars)) if i not in thousands_separators(chars)]
     kept_chars = [chars[i] for i in keep]
     kept_places = run_places(kept_chars)
+    if vocab.order != "natural":  # a reversed form: each digit's true place, as the losses read it (vocab.places)
+        written = [p for t, places in zip(token_ids, vocab.places(token_ids)) for p in (places or (None,))]
+        kept_places = [written[i] for i in keep]
     n = len(chars)
     kind: list[Optional[str]] = [None] * n
     number: list[Optional[int]] = [None] * n

@@ -157,6 +157,8 @@ class Loss:
     def from_recipe(cls, recipe, vocab: Optional[NumberVocab], device, world_size: int = 1) -> "Loss":
         """The recipe's loss on ``device`` for a run on ``world_size`` processes (raises UserError for
         train.fused_loss 'on' where Liger cannot run)."""
+        if vocab is not None:  # places through the trained text's number form: reversed digits keep their value
+            vocab = vocab.written_as(recipe.data.numbers)
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
                                resolve_fused(recipe.train.fused_loss, device), recipe.train.grad_accum, world_size)
 

@@ -165,6 +165,39 @@ def written_places(text: str, order: str = "natural", count_prefix: bool = False
     return [None if j is None else places[j] for j in index]
 
 
+def token_written_places(texts: list[Optional[str]], colons: list[bool],
+                         count_prefix: bool) -> list[tuple[Optional[int], ...]]:
+    """The token view of a reversed text's places (``delft.numbers.digits.token_places`` reads natural ones):
+    ``texts[t]`` is token t's digits, '.' or ',' (None for any other token), ``colons[t]`` whether it is ':'.
+
+    Each run of digits is read back to front, so its characters get the places :func:`written_places` gives them.
+    With a count prefix, a run right before a ':' is the counts of ``{n:...}`` (every number is wrapped, so no
+    other run meets a colon): the counts are their own small number, written naturally, and its digits get the
+    places of that number (``{12:...}``: 2 and 1) rather than None: they are number tokens the digit losses score
+    like any other, and the count of a number's digits is itself a number whose closeness matters. So
+    ``{2:24}`` (42 reversed) -> [(), (1,), (), (1,), (2,), ()] and ``5.4321`` -> places -1, None, 1, 2, 3, 4.
+    """
+    chars: list[str] = []
+    owners: list[int] = []
+    for t, (text, colon) in enumerate(zip(texts, colons)):
+        piece = text or (":" if colon else " ")  # a break: no run crosses another token
+        chars.extend(piece)
+        owners.extend([t] * len(piece))
+    line = "".join(chars)
+    counts = [m.span() for m in _RUN.finditer(line) if line.startswith(":", m.end())] if count_prefix else []
+    masked = list(line)
+    for a, b in counts:
+        masked[a:b] = " " * (b - a)
+    places = written_places("".join(masked), "reversed", False)
+    for a, b in counts:
+        places[a:b] = run_places(list(line[a:b]))
+    out: list[list[Optional[int]]] = [[] for _ in texts]
+    for t, place in zip(owners, places):
+        if texts[t]:
+            out[t].append(place)
+    return [tuple(p) for p in out]
+
+
 def prefix_characters(text: str, order: str = "natural", count_prefix: bool = False) -> list[bool]:
     """For every character of a written text: is it part of a count prefix (``{``, the counts, ``:``, ``}``)? Those
     characters are written digits that are no digit of the number, which the losses must not score as one."""

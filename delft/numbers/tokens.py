@@ -18,11 +18,13 @@ Only the output-layer rows of the number tokens are needed ([P, T] logits, T = n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 from delft.errors import UserError
 from delft.numbers.digits import DIGITS, place_weight, token_places
+from delft.numbers.formats import token_written_places
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -137,6 +139,9 @@ class NumberVocab:
     texts: tuple[str, ...]
     dot_id: Optional[int]
     comma_id: Optional[int] = None
+    colon_id: Optional[int] = None  # ':' alone: it ends a count prefix's counts, {2:42} (delft.numbers.formats)
+    order: str = "natural"  # how the trained text writes numbers (data.numbers): places are read through it
+    count_prefix: bool = False
 
     @classmethod
     def from_tokenizer(cls, tokenizer, purpose: str = "a digit loss") -> "NumberVocab":
@@ -159,7 +164,7 @@ class NumberVocab:
             raise UnfitTokenizer(f"tokenizer {_name(tokenizer)!r} {what}, so {purpose} is undefined for it", fix=_FIX)
         order = sorted(numbers.items(), key=lambda kv: (len(kv[1]), kv[1], kv[0]))
         return cls(tuple(t for t, _ in order), tuple(s for _, s in order), _char_id(tokenizer, "."),
-                   _char_id(tokenizer, ","))
+                   _char_id(tokenizer, ","), _char_id(tokenizer, ":"))
 
     @classmethod
     def from_tokenizer_file(cls, path, purpose: str = "a digit loss") -> "NumberVocab":
@@ -179,11 +184,12 @@ class NumberVocab:
 
     @classmethod
     def single_digits(cls, digit_ids: Sequence[int], dot_id: Optional[int] = None,
-                      comma_id: Optional[int] = None) -> "NumberVocab":
-        """The vocabulary of a single-digit tokenizer given its ten digit ids ('0'..'9', in order) and '.'."""
+                      comma_id: Optional[int] = None, colon_id: Optional[int] = None) -> "NumberVocab":
+        """The vocabulary of a single-digit tokenizer given its ten digit ids ('0'..'9', in order), '.', ',' and
+        ':'."""
         if len(digit_ids) != 10:
             raise ValueError(f"give the ten ids of '0'..'9', not {len(digit_ids)}")
-        return cls(tuple(int(t) for t in digit_ids), tuple(DIGITS), dot_id, comma_id)
+        return cls(tuple(int(t) for t in digit_ids), tuple(DIGITS), dot_id, comma_id, colon_id)
 
     @property
     def digit_ids(self) -> tuple[int, ...]:
@@ -212,9 +218,21 @@ class NumberVocab:
             return "."
         return "," if self.comma_id is not None and int(token_id) == self.comma_id else None
 
+    def written_as(self, numbers) -> "NumberVocab":
+        """This vocabulary reading places through a data.numbers form (order, count_prefix): the losses, the
+        teacher-forced metrics and the preview of a run trained on reversed or prefixed numbers then give every
+        digit its true place (delft.numbers.formats.token_written_places)."""
+        return dataclasses.replace(self, order=numbers.order, count_prefix=numbers.count_prefix)
+
     def places(self, token_ids: Sequence[int]) -> list[tuple[Optional[int], ...]]:
-        """Places of each position's characters, runs across tokens; () for positions outside numbers."""
-        return token_places([self.text_of(t) for t in token_ids])
+        """Places of each position's characters, runs across tokens; () for positions outside numbers. Under a
+        reversed form each digit's true place (the units digit of ``24``, 42 reversed, is its first); a count
+        prefix's counts are their own small numbers."""
+        texts = [self.text_of(t) for t in token_ids]
+        if self.order == "natural":
+            return token_places(texts)
+        colons = [self.colon_id is not None and int(t) == self.colon_id for t in token_ids]
+        return token_written_places(texts, colons, self.count_prefix)
 
     def char_table(self, device=None) -> "CharTable":
         return CharTable.build(self.texts, device)

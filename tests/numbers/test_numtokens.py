@@ -57,7 +57,8 @@ def test_single_digit_tokenizer_gives_todays_digit_ids():
     assert vocab.is_single_digit and vocab.max_len == 1
     oracle = OracleDigits.from_tokenizer(tok)  # the independent single-digit probe of the test helpers
     assert (vocab.digit_ids, vocab.dot_id) == (oracle.digit_ids, oracle.dot_id)
-    assert NumberVocab.single_digits(oracle.digit_ids, oracle.dot_id, oracle.comma_id) == vocab
+    colon = tok.convert_tokens_to_ids(":")  # ':' alone ends a count prefix's counts
+    assert NumberVocab.single_digits(oracle.digit_ids, oracle.dot_id, oracle.comma_id, colon) == vocab
 
 
 def test_chunked_tiny_tokenizer_has_110_number_tokens():
