@@ -10,6 +10,7 @@ from collections.abc import Collection
 from decimal import Decimal
 from typing import Optional
 
+from delft.data.number_tasks import draw
 from delft.data.sources import Example, format_number, normalised_prompt
 from delft.errors import UserError
 from delft.numbers.digits import exact_context
@@ -88,6 +89,19 @@ def _synthetic_problem(rng: random.Random, cfg) -> tuple[str, str]:
     if cfg.style == "compact":
         return f"{format_number(a)}{op}{format_number(b)}=", format_number(result)
     return f"What is {format_number(a)} {op} {format_number(b)}?", format_number(result)
+
+
+def nupa_examples(cfg, exclude: Collection[str] = frozenset(), count: Optional[int] = None,
+                  where: str = "data") -> list[Example]:
+    """The digit-level benchmark's problems (delft.data.number_tasks) for a NupaConfig: ``per_bin`` per task and
+    length bin, none whose normalised prompt is in ``exclude`` (its prompts are already normalised: single
+    spaces, no ends), the first ``count``. Each example's ``item`` is its (task, length) bin."""
+    try:
+        problems = draw(cfg.per_bin, cfg.seed, cfg.tasks, range(cfg.min_length, cfg.max_length + 1), exclude)
+    except UserError as e:
+        raise UserError(e.what, f"{where}.nupa", e.fix) from None
+    return [Example(p.prompt, p.answer, p.answer, i, {"task": p.task, "length": p.length})
+            for i, p in enumerate(problems[:count])]
 
 
 RG_INSTALL = 'pip install "delft-digits[reasoning]" (reasoning-gym, whose generators need no download)'

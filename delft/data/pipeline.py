@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from delft.data.batches import tokenize_example
-from delft.data.generated import reasoning_gym_examples, synthetic_examples
+from delft.data.generated import nupa_examples, reasoning_gym_examples, synthetic_examples
 from delft.data.sources import Example, load_rows, row_to_example
 from delft.errors import UserError
 from delft.numbers.tokens import IGNORE
@@ -24,6 +24,8 @@ def load_examples(cfg, where: str = "data", exclude: Collection[str] = frozenset
         examples = synthetic_examples(cfg.synthetic, exclude, cfg.limit, where)
     elif cfg.format == "reasoning_gym":
         examples = reasoning_gym_examples(cfg.reasoning_gym, where, exclude, cfg.limit)
+    elif cfg.format == "nupa":
+        examples = nupa_examples(cfg.nupa, exclude, cfg.limit, where)
     else:
         rows, label = load_rows(cfg, where)
         examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 
 from delft.errors import UserError
+from delft.evaluation.benchmark import bin_scores, bin_table, heatmap_path, write_heatmap
 from delft.evaluation.contamination import counted, generated_exclusion, score_unseen, seen_lines
 from delft.evaluation.metrics import EXACT_MATCH, METRICS, PASS_1, SAMPLING, differences, flags, paired_difference
 from delft.evaluation.model_scores import evaluate_models
@@ -141,20 +142,30 @@ def run_eval(recipe_path: Optional[Path] = None, runs: Sequence[str] = (), model
         console.print(line, highlight=False)
     if teacher_forced:
         print_teacher(results, include_base, cfg.eval.bootstrap, console)
-    _write_outputs(results, problems, settings, json_out, plot, title, teacher_forced, console)
+    benchmark = {r.name: bin_scores(problems, r) for r in results} if data_cfg.format == "nupa" else None
+    for name, scores in (benchmark or {}).items():
+        console.print(bin_table(name, scores))
+    _write_outputs(results, problems, settings, json_out, plot, title, teacher_forced, console, benchmark)
     return results
 
 
 def _write_outputs(results: Sequence[ModelResult], problems: Sequence[Problem], settings: dict,
                    json_out: Optional[Path], plot: Optional[Path], title: str, teacher_forced: bool,
-                   console: Console) -> None:
-    """--json and --plot (and with --teacher-forced the second plot)."""
+                   console: Console, benchmark: Optional[dict] = None) -> None:
+    """--json and --plot (and with --teacher-forced the second plot; on the number-task benchmark its heatmap and
+    its per-bin scores, delft.evaluation.benchmark)."""
     if json_out is not None:
-        write_result(Path(json_out), json.dumps(to_json(results, problems, settings), indent=2), "--json")
+        report = to_json(results, problems, settings)
+        if benchmark is not None:
+            report["number_tasks"] = benchmark
+        write_result(Path(json_out), json.dumps(report, indent=2), "--json")
         console.print(f"[green]wrote[/] {json_out}")
     if plot is not None:
         write_plot(results, Path(plot), title)
         console.print(f"[green]wrote[/] {plot}")
+        if benchmark is not None:
+            write_heatmap(list(benchmark), list(benchmark.values()), heatmap_path(Path(plot)), title)
+            console.print(f"[green]wrote[/] {heatmap_path(Path(plot))}")
         if teacher_forced:
             second = teacher_plot_path(Path(plot))
             write_teacher_plot([r.name for r in results], [r.teacher_metrics for r in results], second,

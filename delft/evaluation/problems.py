@@ -41,6 +41,8 @@ def disjoint_from_training(data_cfg, train_data):
             and data_cfg.reasoning_gym.seed == train_data.reasoning_gym.seed):
         data_cfg.reasoning_gym = data_cfg.reasoning_gym.model_copy(
             update={"seed": data_cfg.reasoning_gym.seed + EVAL_SEED_OFFSET})
+    if data_cfg.source == "nupa" and train_data.source == "nupa" and data_cfg.nupa.seed == train_data.nupa.seed:
+        data_cfg.nupa = data_cfg.nupa.model_copy(update={"seed": data_cfg.nupa.seed + EVAL_SEED_OFFSET})
     return data_cfg
 
 
@@ -91,6 +93,9 @@ def describe_source(data_cfg) -> str:
         return f"synthetic (seed {data_cfg.synthetic.seed})"
     if data_cfg.source == "reasoning_gym":
         return f"reasoning-gym {data_cfg.reasoning_gym.task} (seed {data_cfg.reasoning_gym.seed})"
+    if data_cfg.source == "nupa":
+        n = data_cfg.nupa
+        return f"number tasks, {len(n.tasks)} tasks x lengths {n.min_length}-{n.max_length} (seed {n.seed})"
     return data_cfg.source
 
 

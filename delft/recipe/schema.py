@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from delft.data.number_tasks import MAX_LENGTH as NUPA_MAX_LENGTH
+from delft.data.number_tasks import TASKS as NUPA_TASKS
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
@@ -183,7 +185,7 @@ class LoraConfig(Section):
 MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exact (digits.DECIMAL_PRECISION)
 
 
-GENERATED = ("synthetic", "reasoning_gym")  # sources made by a generator: their format is their name
+GENERATED = ("synthetic", "reasoning_gym", "nupa")  # sources made by a generator: their format is their name
 
 # data.separator when unset: the text between a plain prompt and its completion, per format. prompt_completion rows
 # are the user's own text, joined exactly as written (as TRL joins them): "6890+4=" and "6894" train as
@@ -191,7 +193,7 @@ GENERATED = ("synthetic", "reasoning_gym")  # sources made by a generator: their
 # GSM8K's, SVAMP's, the alpaca template, chat messages without a template): the answer starts on a line of its own,
 # as delft rendered them before the key existed.
 FORMAT_SEPARATORS = {"prompt_completion": "", "alpaca": "\n", "chat": "\n", "gsm8k": "\n", "svamp": "\n",
-                     "synthetic": "\n", "reasoning_gym": "\n"}
+                     "synthetic": "\n", "reasoning_gym": "\n", "nupa": "\n"}
 
 
 class SyntheticConfig(Section):
@@ -238,6 +240,34 @@ class ReasoningGymConfig(Section):
         "has one (gsm_symbolic's answer_cot, ending '#### N').")
 
 
+class NupaConfig(Section):
+    """The digit-level benchmark (delft.data.number_tasks, docs/number_formats.md#the-number-task-benchmark): the
+    Number Cookbook's integer and decimal tasks, binned by operand length."""
+
+    tasks: list[str] = Field(default_factory=lambda: list(NUPA_TASKS), min_length=1, description="Tasks, kind/task: "
+                             + ", ".join(NUPA_TASKS) + " (default: all).")
+    min_length: int = Field(1, ge=1, le=NUPA_MAX_LENGTH, description="Shortest operand length bin, in digits.")
+    max_length: int = Field(10, ge=1, le=NUPA_MAX_LENGTH, description=f"Longest operand length bin (up to "
+                            f"{NUPA_MAX_LENGTH} digits).")
+    per_bin: int = Field(10, gt=0, description="Problems per task and length bin (the shortest bins hold few: "
+                         "one-digit integer/length has 10).")
+    seed: int = Field(0, ge=0, description="Generator seed (eval draws with another and skips training problems).")
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        unknown = [t for t in tasks if t not in NUPA_TASKS]
+        if unknown:
+            raise ValueError(f"no number task {', '.join(map(repr, unknown))}; use some of {', '.join(NUPA_TASKS)}")
+        return tasks
+
+    @model_validator(mode="after")
+    def _length_order(self):
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length ({self.min_length}) is larger than max_length ({self.max_length})")
+        return self
+
+
 class NumbersConfig(Section):
     """How numbers are written in the training text (delft.numbers.formats, docs/number_formats.md); eval and
     held-out accuracy read a run's answers back with the same form before scoring them."""
@@ -260,7 +290,8 @@ class NumbersConfig(Section):
 class DataConfig(Section):
     source: str = Field("synthetic", description="'synthetic', 'reasoning_gym', a local .jsonl/.json/.csv/.parquet "
                         "file, or a hub id.")
-    format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic", "reasoning_gym"] = Field(
+    format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic", "reasoning_gym",
+                    "nupa"] = Field(
         "synthetic", description="How rows map to prompt and answer.")
     split: str = Field("train", description="Split of a hub dataset.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a hub dataset.")
@@ -279,6 +310,8 @@ class DataConfig(Section):
     numbers: NumbersConfig = Field(default_factory=NumbersConfig, description="How numbers are written in the "
                                    "training text (reversed digits, digit-count prefixes) and read back in eval.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="The built-in arithmetic source.")
+    nupa: NupaConfig = Field(default_factory=NupaConfig, description="The digit-level benchmark (source nupa): "
+                             "number tasks binned by length.")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
                                               description="Generated problems from reasoning-gym (source reasoning_gym).")
 
@@ -557,6 +590,7 @@ class Recipe(Section):
         data.synthetic = data.synthetic.model_copy(update={"seed": data.synthetic.seed + EVAL_SEED_OFFSET})
         data.reasoning_gym = data.reasoning_gym.model_copy(
             update={"seed": data.reasoning_gym.seed + EVAL_SEED_OFFSET})
+        data.nupa = data.nupa.model_copy(update={"seed": data.nupa.seed + EVAL_SEED_OFFSET})
         data.val_size = 0
         return data
 
