@@ -165,7 +165,7 @@ def _control_moves(rows: list[dict], controls: list[str]) -> dict:
     out = {}
     for c in controls:
         out[c] = [{"set": r["set"], "metric": r["metric"], "difference": r["difference"], "holm_p": r["holm_p"],
-                   "moved": _direction(r)} for r in rows if r["recipe"] == c]
+                   "unit": r.get("unit", "points"), "moved": _direction(r)} for r in rows if r["recipe"] == c]
     return out
 
 
@@ -245,7 +245,7 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
     lines = ["## Verdicts", "", f"Rules applied: margin {margin['value']:g} points ({stated}); level "
              f"{rules['alpha']['value']:g}, the {rules['test']['value']} and a floor of "
              f"{rules['floor_percent']['value']:g} % (delft's defaults). Better / worse: Holm-adjusted p of the t test "
-             "over seeds below the level. Not readable: a side below the floor, or controls of which none moved up "
+             "over seeds (of the sign-flip test for the transition endpoints in steps and seeds) below the level. Not readable: a side below the floor, or controls of which none moved up "
              "on that set and metric (the design could not have seen an effect). Equivalent: the t interval over "
              "seeds inside +-margin. Otherwise inconclusive.", ""]
     if not v["controls"]:
@@ -254,8 +254,9 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
     for control, moves in v["controls"].items():
         for m in moves:
             holm_p = "-" if m["holm_p"] is None else f"{m['holm_p']:.3g}"
-            lines.append(f"- Control **{control}** on {m['set']} ({m['metric']}): {100 * m['difference']:+.1f} "
-                         f"points, Holm p {holm_p}: **{MOVES[m['moved']]}**.")
+            unit = m.get("unit", "points")
+            lines.append(f"- Control **{control}** on {m['set']} ({m['metric']}): "
+                         f"{UNIT_FORMATS[unit](m['difference'])} {unit}, Holm p {holm_p}: **{MOVES[m['moved']]}**.")
     for a in v["arms"]:
         lines.append(f"- {a['recipe']} on {a['set']} ({a['metric']}): **{a['verdict']}** ({a['why']}).")
     lines.append("")
