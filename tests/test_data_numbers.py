@@ -28,6 +28,7 @@ from delft.numbers.tokens import IGNORE
 from delft.recipe.files import as_trained, load_recipe, trained_numbers
 from delft.recipe.schema import DataConfig, NumbersConfig
 from delft.rundir import RECIPE
+from delft.training.grpo import reward_setup
 from delft.training.heldout import HeldOut, heldout_data
 from delft.training.preview import preview_examples
 
@@ -55,9 +56,21 @@ def test_the_key_defaults_to_natural_and_refuses_unknown_forms(tmp_path, tiny_mo
     with pytest.raises(UserError) as typo:
         load_recipe(path, ["data.numbers.scop=answer"])
     assert "scope" in str(typo.value)
-    with pytest.raises(UserError) as grpo:
-        load_recipe(path, ["train.stage=grpo"])
-    assert "data.numbers" in str(grpo.value)
+    assert load_recipe(path, ["train.stage=grpo"]).data.numbers.order == "reversed"  # GRPO reads answers back
+
+
+def test_grpo_rewards_read_a_reversed_or_prefixed_answer_back(tmp_path, tiny_model_dir):
+    """The rewards score the number the model means: '713' from a reversed run is 317; the gold stays natural."""
+    path = recipe_file(tmp_path, tiny_model_dir, data={"numbers": {"order": "reversed", "scope": "answer"}},
+                       train={"stage": "grpo"}, grpo={"reward": "partial"})
+    funcs, _, _ = reward_setup(load_recipe(path))
+    assert [f.__name__ for f in funcs] == ["exact", "digits"]  # the names TRL logs
+    assert funcs[0](["713", "317", "the sum is 713\n\nQuestion: 5"], answer=["317"] * 3) == [1.0, 0.0, 1.0]
+    assert funcs[1](["713"], answer=["317"]) == [1.0] and funcs[1](["703"], answer=["317"])[0] < 1.0
+    natural, _, _ = reward_setup(load_recipe(path, ["data.numbers.order=natural"]))
+    assert natural[0](["713", "317"], answer=["317"] * 2) == [0.0, 1.0]
+    prefixed, _, _ = reward_setup(load_recipe(path, ["data.numbers.order=natural", "data.numbers.count_prefix=true"]))
+    assert prefixed[0](["{3:317}", "317"], answer=["317"] * 2) == [1.0, 1.0]
 
 
 def test_a_reversed_recipes_first_example_trains_on_the_reversed_text(tmp_path, tiny_model_dir, tiny_tokenizer):

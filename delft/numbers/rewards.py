@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import functools
 from decimal import Decimal
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from delft.errors import UserError
-from delft.numbers.answers import PLAIN_STOP_STRINGS, canonical, exact_match, extract_answer, parse_number
+from delft.numbers.answers import (
+    PLAIN_STOP_STRINGS,
+    canonical,
+    cut_at_stop,
+    exact_match,
+    extract_answer,
+    parse_number,
+)
 from delft.numbers.digits import digits_by_place, place_weight
 
 PARTIAL_ALPHA = 0.2  # the default weight of the digit share (the issue's ceiling: partial credit stays a tie-break)
@@ -90,6 +97,18 @@ def digit_reward(completions: Sequence[Any], answer: Optional[Sequence[Any]] = N
 
 
 exact_reward.__name__, digit_reward.__name__ = "exact", "digits"  # the names TRL logs (rewards/exact/mean)
+
+
+def read_back(reward, read: Callable[[str], str], stops=PLAIN_STOP_STRINGS):
+    """``reward`` scoring each completion after ``read`` (a run's data.numbers form read back: delft.data.prompts
+    .read_completion) of its text cut at ``stops``, as eval reads a reversed or prefixed answer; same name for TRL's
+    logs. The gold stays natural."""
+    def read_then_score(completions: Sequence[Any], *args, **kwargs) -> list[Optional[float]]:
+        return reward([read(cut_at_stop(completion_text(c), stops)) for c in completions], *args, stops=stops,
+                      **kwargs)
+
+    read_then_score.__name__ = reward.__name__
+    return read_then_score
 
 
 def answer_column_of(reward) -> Optional[str]:

@@ -569,10 +569,6 @@ class Recipe(Section):
             raise ValueError("early stopping and keep_best on val_loss need a validation split: set data.val_size")
         if tracked and self.train.stage == "grpo":
             raise ValueError("early_stopping and keep_best apply to train.stage sft")
-        if self.train.stage == "grpo" and self.data.numbers.active():
-            raise ValueError("data.numbers writes numbers reversed or prefixed, which GRPO's numeric rewards do not "
-                             "read back yet: use train.stage sft, or the natural form (order: natural, "
-                             "count_prefix: false)")
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")
