@@ -203,3 +203,36 @@ def test_heldout_accuracy_prompts_and_reads_as_the_run_trains(tmp_path, tiny_mod
                for t, p in zip(texts, held.problems)]
     m = summarize(natural, resamples=0)
     assert row == {**{x.heldout: m[x.key] for x in METRICS if x.heldout}, "accuracy_n": 2}
+
+
+def test_fewshot_exemplars_are_written_in_the_runs_form():
+    """An exemplar must not show a form the run was not taught: its answer (and with scope everything its
+    question) written as the run trained; natural runs keep the harness's prompt exactly."""
+    from delft.evaluation.fewshot import EXEMPLARS, fewshot_prompt
+
+    natural = DataConfig(source="x.jsonl", format="prompt_completion")
+    assert fewshot_prompt("What is 12 + 5?", 1, natural) == fewshot_prompt("What is 12 + 5?", 1)
+    answer_only = natural.model_copy(update={"numbers": NumbersConfig(order="reversed", scope="answer")})
+    prompt = fewshot_prompt("What is 12 + 5?", 1, answer_only)
+    assert EXEMPLARS[0][1].endswith("#### 72") and prompt.split("\n\n")[0].endswith("#### 27")
+    assert "48/2 = <<48/2=24>>24" in prompt and prompt.endswith("Question: What is 12 + 5?\nAnswer:")
+    everything = natural.model_copy(update={"numbers": NumbersConfig(order="reversed", scope="everything")})
+    prompt = fewshot_prompt("What is 12 + 5?", 1, everything)
+    assert "sold clips to 84 of her friends" in prompt and "42 clips in May" in prompt
+    assert prompt.endswith("Question: What is 21 + 5?\nAnswer:")
+
+
+def test_the_ollama_modelfile_says_how_to_read_a_reversed_models_answers(tmp_path, tiny_model_dir, tiny_tokenizer):
+    from delft.export.gguf import ollama_modelfile
+
+    path = recipe_file(tmp_path, tiny_model_dir, data={"numbers": {"order": "reversed", "scope": "answer"}})
+    text = ollama_modelfile(tiny_tokenizer, "m.gguf", recipe=load_recipe(path))[0]
+    comment = [line for line in text.splitlines() if line.startswith("#")]
+    assert comment[0].startswith("# This model writes numbers as reversed digits (data.numbers scope answer)")
+    code = comment[1].removeprefix("# its answers back with: ")
+    namespace = {"answer": "12 + 5 = 71"}
+    imports, expression = code.split("; ")
+    exec(imports, namespace)  # noqa: S102 (the Modelfile's own instruction, run as a user would)
+    assert eval(expression, namespace) == "12 + 5 = 17"  # noqa: S307
+    natural = recipe_file(tmp_path / "n", tiny_model_dir)
+    assert "#" not in ollama_modelfile(tiny_tokenizer, "m.gguf", recipe=load_recipe(natural))[0]

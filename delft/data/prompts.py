@@ -45,6 +45,12 @@ def read_completion(text: str, cfg) -> str:
     return read(text, n.order, n.count_prefix)
 
 
+def written_question(text: str, cfg) -> str:
+    """A question's text with its numbers written as the model saw its prompts (only with scope everything)."""
+    n = cfg.numbers
+    return write_numbers(text, n.order, n.count_prefix) if n.active() and n.scope == "everything" else text
+
+
 def _written_prompt(example: Example, cfg) -> Example:
     """The example with its prompt's numbers written as the model saw them: only with scope everything."""
     n = cfg.numbers

@@ -9,6 +9,8 @@ sampler, which its chain-of-thought GSM8K tasks use). docs/evaluation.md#gsm8ks-
 
 from __future__ import annotations
 
+from delft.data.prompts import written_completion, written_question
+
 # lm-evaluation-harness gsm8k.yaml: doc_to_text, the target delimiter, the few-shot delimiter.
 QUESTION = "Question: {question}\nAnswer:"
 TARGET_DELIMITER = " "
@@ -65,10 +67,20 @@ EXEMPLARS = (
 MAX_SHOTS = len(EXEMPLARS)
 
 
-def fewshot_prompt(question: str, shots: int) -> str:
-    """The harness's prompt: ``shots`` exemplars (question, answer), then the question and ``Answer:``."""
-    parts = [QUESTION.format(question=q) + TARGET_DELIMITER + a + FEWSHOT_DELIMITER for q, a in EXEMPLARS[:shots]]
-    return "".join(parts) + QUESTION.format(question=question)
+def fewshot_prompt(question: str, shots: int, data_cfg=None) -> str:
+    """The harness's prompt: ``shots`` exemplars (question, answer), then the question and ``Answer:``. With a data
+    section whose data.numbers writes numbers otherwise, the exemplars' answers (and with scope everything the
+    questions) are written in that form, as the run trained: an exemplar must not show a form the model was not
+    taught."""
+    def answer(a: str) -> str:
+        return a if data_cfg is None else written_completion(a, data_cfg)
+
+    def asked(q: str) -> str:
+        return q if data_cfg is None else written_question(q, data_cfg)
+
+    parts = [QUESTION.format(question=asked(q)) + TARGET_DELIMITER + answer(a) + FEWSHOT_DELIMITER
+             for q, a in EXEMPLARS[:shots]]
+    return "".join(parts) + QUESTION.format(question=asked(question))
 
 
 def question_text(example) -> str:

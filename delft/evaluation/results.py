@@ -42,7 +42,7 @@ def eval_prompts(tokenizer, problems: Sequence[Problem], data_cfg, eval_cfg) -> 
     """(chat template used, stop strings, prompt texts): the data's own rendering, or with ``eval.fewshot`` the
     harness's plain GSM8K prompt (delft.evaluation.fewshot)."""
     if eval_cfg.fewshot is not None:
-        prompts = [fewshot_prompt(question_text(p.example), eval_cfg.fewshot) for p in problems]
+        prompts = [fewshot_prompt(question_text(p.example), eval_cfg.fewshot, data_cfg) for p in problems]
         return False, stop_strings(tokenizer, False), prompts
     chat = use_chat_template(tokenizer, data_cfg)
     return chat, stop_strings(tokenizer, chat), [render_prompt(p.example, tokenizer, data_cfg) for p in problems]

@@ -384,6 +384,7 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
     A chat TEMPLATE is written only when the chat template is ChatML (checked by rendering it)."""
     lines = [f"FROM ./{model_file}"] + ([f"ADAPTER ./{adapter_file}"] if adapter_file else [])
     if recipe is not None:
+        lines += number_form_comment(recipe.data.numbers)
         lines += ["PARAMETER temperature 0", f"PARAMETER num_predict {recipe.eval.max_new_tokens}"]
         if not use_chat_template(tokenizer, recipe.data):
             return _plain_modelfile(lines, recipe.data.prompt_separator()), []
@@ -406,6 +407,21 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
         stops.append(tokenizer.eos_token)
     lines += [f'PARAMETER stop "{s}"' for s in stops]
     return "\n".join(lines) + "\n", notes
+
+
+def number_form_comment(numbers) -> list[str]:
+    """Modelfile comment lines for a run trained on numbers written otherwise (data.numbers): what it answers in,
+    and how to write prompts and read its answers (docs/number_formats.md#prompting-an-exported-model)."""
+    if not numbers.active():
+        return []
+    form = f"{numbers.order} digits" + (" with {n:...} count prefixes" if numbers.count_prefix else "")
+    asked = ("write the numbers of your prompts the same way" if numbers.scope == "everything"
+             else "prompt with plain numbers")
+    read = (f"from delft.numbers.formats import read_numbers, read_last_number; "
+            f"read_{'last_number' if numbers.scope == 'answer' else 'numbers'}(answer, {numbers.order!r}, "
+            f"{numbers.count_prefix})")
+    return [f"# This model writes numbers as {form} (data.numbers scope {numbers.scope}): {asked}, and read",
+            f"# its answers back with: {read}"]
 
 
 def _plain_modelfile(lines: list[str], separator: str) -> str:
