@@ -258,7 +258,8 @@ def export(
 @app.command()
 @friendly
 def compare(
-    recipes: List[Path] = typer.Argument(..., help="Recipes that differ only in their loss (recipes/compare/*.yaml)."),
+    recipes: List[Path] = typer.Argument(
+        ..., help="Recipes that differ only in their loss or data.numbers (recipes/compare/*.yaml)."),
     seeds: List[int] = typer.Option([0], "--seed", help="Training seed(s) (repeatable)."),
     out: Path = typer.Option(Path("results/compare"), "--out", help="Where the table, JSON and plot go."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),

@@ -33,7 +33,10 @@ REFERENCE_LOSS = "ce"  # differences are reported against the plain-CE run when 
 
 FREE_KEYS = ("output.dir",)  # keys that may differ between compared recipes (compare sets them per run)
 
-ARM_SECTIONS = ("loss", "grpo")  # what compared recipes may differ in: the loss, and a GRPO stage's reward and aux
+# What compared recipes may differ in: the loss, a GRPO stage's reward and aux, and how numbers are written in the
+# trained text (data.numbers: each run is prompted and read back in its own form, so the forms compare on the same
+# problems; docs/number_formats.md).
+ARM_SECTIONS = ("loss.", "grpo.", "data.numbers.")
 
 
 @dataclass
@@ -52,9 +55,9 @@ class Contender:
 
 
 def _comparable(recipe: Recipe) -> dict[str, Any]:
-    """Every resolved key except the arm sections (loss, grpo) and the free keys."""
+    """Every resolved key except the arm sections (loss, grpo, data.numbers) and the free keys."""
     return {k: v for k, v in flat_keys(recipe.to_dict()).items()
-            if k.split(".")[0] not in ARM_SECTIONS and k not in FREE_KEYS}
+            if not (k + ".").startswith(ARM_SECTIONS) and k not in FREE_KEYS}
 
 
 def check_seeds(seeds: Sequence[int], where: str) -> list[int]:
@@ -127,14 +130,16 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             if ref.get(key) != other.get(key):
                 problems.append(f"{key} ({first.path.name}: {ref.get(key)!r}, {c.path.name}: {other.get(key)!r})")
     if problems:
-        raise UserError("the recipes differ in more than their loss (and grpo) sections: " + "; ".join(problems),
+        raise UserError("the recipes differ in more than their loss (and grpo, data.numbers) sections: "
+                        + "; ".join(problems),
                         where, "Move the shared settings into one base recipe (base: base.yaml) and "
                         "let each recipe set only loss: (and output.dir).")
     for i, a in enumerate(contenders):
         for b in contenders[i + 1:]:
-            if a.recipe.loss == b.recipe.loss and (a.recipe.train.stage != "grpo" or a.recipe.grpo == b.recipe.grpo):
+            if a.recipe.loss == b.recipe.loss and a.recipe.data.numbers == b.recipe.data.numbers and (
+                    a.recipe.train.stage != "grpo" or a.recipe.grpo == b.recipe.grpo):
                 raise UserError(f"{a.path} and {b.path} resolve to the same loss ({a.recipe.loss.type}, weight "
-                                f"{a.recipe.loss.weight:g}): they would train the same run twice",
+                                f"{a.recipe.loss.weight:g}) and number form: they would train the same run twice",
                                 where, "Drop one of them.")
     return contenders
 

@@ -116,8 +116,8 @@ class StudyConfig(Section):
                              "it, what would refute it, and what a control that does not move means (shown at the "
                              "top of summary.md).")
     recipes: list[Union[str, Arm]] = Field(..., min_length=2, description="Recipe files relative to this file (or "
-                                           "{recipe: FILE, control: true}); they may differ only in their loss (and "
-                                           "grpo) sections.")
+                                           "{recipe: FILE, control: true}); they may differ only in their loss, "
+                                           "data.numbers (and grpo) sections.")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Training seeds: every recipe trains once per seed.")
     out: str = Field(..., min_length=1, description="Results directory (relative to the current directory).")
     evals: dict[str, EvalSet] = Field(..., min_length=1, description="Eval sets by name (a name is a file stem).")

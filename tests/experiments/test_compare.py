@@ -121,6 +121,24 @@ def test_refuses_recipes_that_differ_beyond_the_loss(tmp_path, tiny_recipes):
         resolve_contenders([ce, twin], [], quiet())
 
 
+def test_arms_may_differ_in_how_numbers_are_written(tmp_path, tiny_recipes):
+    """A formats comparison: CE on natural and on reversed numbers are two arms (each run is read back in its own
+    form); the separator is not an arm's to change, and the same loss in the same form is one run twice."""
+    _, ce, _, _ = tiny_recipes
+    reverse = write_yaml(tmp_path / "recipes" / "ce_reversed.yaml", {
+        "base": "base.yaml", "loss": {"type": "ce"}, "data": {"numbers": {"order": "reversed", "scope": "answer"}}})
+    arms = resolve_contenders([ce, reverse], [], quiet())
+    assert [a.recipe.data.numbers.order for a in arms] == ["natural", "reversed"]
+    spaced = write_yaml(tmp_path / "recipes" / "ce_spaced.yaml", {
+        "base": "base.yaml", "loss": {"type": "ce"}, "data": {"separator": " "}})
+    with pytest.raises(UserError, match="data.separator"):
+        resolve_contenders([ce, spaced], [], quiet())
+    twin = write_yaml(tmp_path / "recipes" / "ce_reversed2.yaml", {
+        "base": "base.yaml", "loss": {"type": "ce"}, "data": {"numbers": {"order": "reversed", "scope": "answer"}}})
+    with pytest.raises(UserError, match="same loss .* and number form"):
+        resolve_contenders([reverse, twin], [], quiet())
+
+
 def test_cli_compare_refusal_exits_2(tmp_path, tiny_recipes):
     _, ce, _, _ = tiny_recipes
     other = write_yaml(tmp_path / "recipes" / "wide.yaml", {"base": "base.yaml", "loss": {"type": "del"},
