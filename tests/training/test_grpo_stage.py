@@ -212,3 +212,28 @@ def test_a_pickled_object_in_a_trainer_checkpoint_is_refused_before_transformers
         run_training(load_recipe(path), console=Console(quiet=True))
     assert "rng_state.pth" in str(refused.value) and not sentinel.exists()
     assert {p: p.read_bytes() for p in (tmp_path / "shared").rglob("*") if p.is_file()} == files
+
+
+@pytest.mark.slow
+def test_grpo_on_reversed_numbers_reads_every_completion_back(tmp_path, digit_model_path, monkeypatch):
+    """TRL's real GRPOTrainer calls delft's rewards on what the model wrote (a tiny model that writes only digits
+    and '.'); each text reaches the scorer read back from the run's form (data.numbers reversed)."""
+    from delft.data.prompts import read_completion
+    from delft.numbers import rewards
+
+    seen: list[str] = []
+    extract = rewards.extract_answer
+    monkeypatch.setattr(rewards, "extract_answer", lambda text, stops: seen.append(text) or extract(text, stops))
+    raw: list[str] = []
+    cut = rewards.cut_at_stop
+    monkeypatch.setattr(rewards, "cut_at_stop", lambda text, stops: raw.append(text) or cut(text, stops))
+    recipe = load_recipe(recipe_file(
+        tmp_path, digit_model_path, "run", train={**TRAIN, "max_steps": 2, "save_steps": 10},
+        grpo={**GRPO, "reward_functions": []}, loss={"type": "del_prob", "weight": 0.3},
+        data={"max_length": 48, "numbers": {"order": "reversed", "scope": "answer"}}))
+    run = run_training(recipe, console=Console(quiet=True))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("reward_exact" in r and "reward_digits" in r for r in rows)
+    assert raw and len(seen) == len(raw)  # each reward reads each completion once
+    assert seen == [read_completion(cut(t, rewards.PLAIN_STOP_STRINGS), recipe.data) for t in raw]
+    assert any(s != t for s, t in zip(seen, raw))  # multi-digit numbers, read back reversed
