@@ -16,6 +16,7 @@ from typing import Sequence
 from rich.table import Table
 
 from delft.data import number_tasks
+from delft.evaluation.metrics import EXACT_MATCH
 from delft.evaluation.problems import Problem
 from delft.evaluation.results import ModelResult
 from delft.outputs import write_figure
@@ -35,7 +36,7 @@ def bin_scores(problems: Sequence[Problem], result: ModelResult) -> dict[str, di
         for length, rows in sorted(by_length.items()):
             lengths = [d for _, _, d in rows if d is not None]
             out.setdefault(task, {})[length] = {
-                "n": len(rows), "exact_match": sum(e for e, _, _ in rows) / len(rows),
+                "n": len(rows), EXACT_MATCH.key: sum(e for e, _, _ in rows) / len(rows),
                 "digit_match": sum(m for _, m, _ in rows) / len(rows),
                 "length_difference": sum(lengths) / len(lengths) if lengths else None}
     return out
@@ -53,7 +54,7 @@ def bin_table(name: str, scores: dict[str, dict[int, dict]]) -> Table:
     for length in lengths:
         table.add_column(str(length), justify="right")
     for task, by_length in scores.items():
-        table.add_row(task, *[f"{100 * by_length[n]['exact_match']:.0f}" if n in by_length else "-"
+        table.add_row(task, *[f"{100 * by_length[n][EXACT_MATCH.key]:.0f}" if n in by_length else "-"
                               for n in lengths])
     table.caption = "digit match and the length difference per bin: --json (number_tasks)"
     return table
@@ -75,7 +76,7 @@ def write_heatmap(names: Sequence[str], scores: Sequence[dict], path: Path, titl
     FigureCanvasAgg(fig)
     for k, (name, s) in enumerate(zip(names, scores)):
         ax = fig.add_subplot(len(names), 1, k + 1)
-        grid = [[100 * s[t][n]["exact_match"] if n in s.get(t, {}) else float("nan") for n in lengths]
+        grid = [[100 * s[t][n][EXACT_MATCH.key] if n in s.get(t, {}) else float("nan") for n in lengths]
                 for t in tasks]
         image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
         ax.set_yticks(range(len(tasks)))

@@ -15,6 +15,7 @@ from delft.recipe.files import load_recipe
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
 LOSS_STUDIES = [p for p in STUDIES if p.name in ("arithmetic.study.yaml", "worked.study.yaml")]  # SmolLM2 LoRA
 SCRATCH_STUDIES = [p for p in STUDIES if p.name.startswith(("scratch", "scale_"))]  # models from scratch
+COMPACT_STUDIES = [p for p in STUDIES if p.name.startswith("compact")]  # pre-registered, with its pilots
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
@@ -48,7 +49,29 @@ def test_shipped_studies_resolve(path, tmp_path):
 
 def test_every_shipped_study_is_tested_here():
     others = {REPO / "recipes" / "study" / f"{name}.study.yaml" for name in ("grpo", "del_prob_weight")}
-    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | others
+    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | set(COMPACT_STUDIES) | others
+
+
+@pytest.mark.parametrize("path", COMPACT_STUDIES, ids=lambda p: p.name)
+def test_the_compact_studies_are_written_before_their_runs(path, tmp_path):
+    """The compact study and its pilots: compact unseen problems from scratch, CE as reference and ntl_was as the
+    control, learns_at measured by every arm; the study's 10 paired seeds, endpoints and rules in its description,
+    and its plan read from the pilot it names."""
+    study = load_study(path)
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    by = {c.name: c.recipe for c in contenders}
+    assert [r.loss.type for r in by.values()][0] == "ce" and study.controls() == ["ntl_was"]
+    assert study.learns_at == 0.5 and study.margin == 3.0
+    for r in by.values():
+        assert r.model.init == "scratch" and r.data.synthetic.style == "compact" and r.data.prompt_separator() == ""
+        assert r.train.accuracy_steps == 100 and r.train.max_steps == 1500
+    if path.name == "compact.study.yaml":
+        assert study.seeds == list(range(10)) and list(by) == ["ce", "del_prob", "del", "ntl_was"]
+        assert all(w in study.description for w in ("Endpoints", "area under", "first step", "sign-flip", "Holm"))
+        assert (path.parent / study.plan.pilot).resolve() == (REPO / "results" / "study" / "compact_pilot_add")
+        assert by["ce"].data.synthetic.ops == ["+"]
+    else:
+        assert study.seeds == [0, 1, 2] and "Pilot" in study.description
 
 
 def test_the_weight_sweep_is_the_arithmetic_study_at_four_del_prob_weights(tmp_path):
