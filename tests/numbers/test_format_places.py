@@ -104,3 +104,20 @@ def test_teacher_forced_places_of_a_reversed_run(char_tokenizer):
     got = [p.place for p in teacher_forced(model, char_tokenizer, examples, reverse, vocab, 4).positions]
     want = [p.place for p in teacher_forced(model, char_tokenizer, examples, natural, vocab, 4).positions]
     assert got[:3] == [1, 2, 3] and want[:3] == [3, 2, 1]  # '713' teacher-forced, read as 317
+
+
+@pytest.mark.parametrize("order,prefix", FORMS[1:])
+def test_number_tokens_of_two_digits_get_the_same_true_places(order, prefix):
+    """Llama-3-style number tokens ('12', '34'): runs cross tokens, and each digit character still gets the place
+    written_places gives it."""
+    tok = build_tokenizer(chunked_digits=True, chat_template=False)
+    vocab = vocab_for(tok, order, prefix)
+    rng = random.Random(1)
+    for _ in range(200):
+        written = write_numbers(random_text(rng), order, prefix)
+        ids = tok.encode(written, add_special_tokens=False)
+        got = [p for i, places in zip(ids, vocab.places(ids)) for p in (places or [None] * len(tok.decode([i])))]
+        counts = prefix_characters(written, order, prefix) if prefix else [False] * len(written)
+        assert len(got) == len(written) and max(len(vocab.text_of(i) or "") for i in ids) <= 2
+        assert [g for g, c in zip(got, counts) if not c] == \
+            [w for w, c in zip(written_places(written, order, prefix), counts) if not c]
