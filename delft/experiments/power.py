@@ -139,8 +139,8 @@ def transition_plan_line(plan: dict) -> str:
     its smallest possible p against Holm's strictest level, which counts those endpoints too."""
     floor, alpha = plan["sign_flip_floor"], plan["rows"][0]["alpha"]
     seeds = plan["rows"][0]["seeds"]
-    reach = "can" if floor < alpha else "cannot"
+    reach = ("can be significant (only when nearly every seed agrees)" if floor < alpha else
+             "cannot be significant however the seeds agree: add seeds, or read them as descriptive")
     return (f"The {plan['transition_endpoints']} transition endpoints (steps sooner, learned) are decided by the "
             f"sign-flip test: with {seeds} seeds its smallest p is {floor:.3g}, against Holm's strictest level "
-            f"{alpha:.3g} over all {round(ALPHA / alpha)} comparisons: the first of them {reach} be significant "
-            "(only when nearly every seed agrees).")
+            f"{alpha:.3g} over all {round(ALPHA / alpha)} comparisons: the first of them {reach}.")

@@ -16,6 +16,7 @@ STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
 LOSS_STUDIES = [p for p in STUDIES if p.name in ("arithmetic.study.yaml", "worked.study.yaml")]  # SmolLM2 LoRA
 SCRATCH_STUDIES = [p for p in STUDIES if p.name.startswith(("scratch", "scale_"))]  # models from scratch
 COMPACT_STUDIES = [p for p in STUDIES if p.name.startswith("compact")]  # pre-registered, with its pilots
+FORMATS_STUDIES = [p for p in STUDIES if p.name.startswith("formats")]  # number forms x losses
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
@@ -49,7 +50,30 @@ def test_shipped_studies_resolve(path, tmp_path):
 
 def test_every_shipped_study_is_tested_here():
     others = {REPO / "recipes" / "study" / f"{name}.study.yaml" for name in ("grpo", "del_prob_weight")}
-    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | set(COMPACT_STUDIES) | others
+    assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | set(COMPACT_STUDIES) | set(FORMATS_STUDIES) \
+        | others
+
+
+@pytest.mark.parametrize("path", FORMATS_STUDIES, ids=lambda p: p.name)
+def test_the_formats_studies_cross_three_forms_with_two_losses(path, tmp_path):
+    """Natural, reversed and count-prefixed answers, each with CE and with del at 0.1; everything else shared with
+    the task they stand on (the compact study's, or the LoRA arithmetic study's); CE natural is the reference."""
+    study = load_study(path)
+    contenders = _contenders(study, path, [], tmp_path, quiet())
+    forms = {c.name: (c.recipe.data.numbers.order, c.recipe.data.numbers.count_prefix, c.recipe.loss.type,
+                      c.recipe.loss.weight) for c in contenders}
+    assert forms == {"ce": ("natural", False, "ce", 0.0), "ce_reversed": ("reversed", False, "ce", 0.0),
+                     "ce_prefix": ("natural", True, "ce", 0.0), "del": ("natural", False, "del", 0.1),
+                     "del_reversed": ("reversed", False, "del", 0.1), "del_prefix": ("natural", True, "del", 0.1)}
+    assert contenders[0].name == "ce" and all(
+        c.recipe.data.numbers.scope == "answer" for c in contenders if c.recipe.data.numbers.active())
+    shared = "compact/ce.yaml" if path.name == "formats.study.yaml" else "arithmetic/ce.yaml"
+    base = load_recipe(path.parent / shared)
+    assert contenders[0].recipe.data == base.data  # train differs only in the curve's snapshots
+    assert contenders[0].recipe.train.model_copy(update={"snapshot_steps": []}) == base.train
+    assert (path.parent / study.plan.pilot).resolve().is_dir()
+    if path.name == "formats.study.yaml":
+        assert study.controls() == ["ce_reversed"] and study.learns_at == 0.5 and len(study.seeds) == 10
 
 
 @pytest.mark.parametrize("path", COMPACT_STUDIES, ids=lambda p: p.name)
