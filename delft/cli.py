@@ -382,7 +382,11 @@ def main() -> None:
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
         DEBUG = True
-    app()
+    try:
+        app()
+    except SystemExit:  # the command ended on its own terms (a handled Ctrl-C or SIGTERM included): its exit code
+        signals.forget_handled_interrupt()
+        raise
 
 
 if __name__ == "__main__":

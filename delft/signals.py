@@ -102,3 +102,20 @@ def held() -> Iterator[None]:
             handler(got[0], None)
         elif handler == signal.SIG_DFL:  # outside a command (a library caller): the default action, as without us
             os.kill(os.getpid(), got[0])
+
+
+def forget_handled_interrupt() -> None:
+    """Clear CPython's memory of an "unhandled" KeyboardInterrupt once delft has handled the stop.
+
+    A KeyboardInterrupt raised while the interpreter runs code through ``PyRun_*`` (a C extension running a
+    string of Python while a module imports) sets a process-wide flag that nothing clears when the exception is
+    caught later; at exit ``Py_RunMain`` sees it and ends the process by SIGINT (status -2) instead of the 143 or
+    130 delft chose. ``run_eval_code_obj`` resets that flag before it runs anything, so running an empty string
+    through ``PyRun_SimpleString`` clears it on every CPython (the flag itself is private and moved in 3.12)."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except (ImportError, AttributeError, OSError):  # no ctypes or no CPython API: nothing to clear
+        pass
+

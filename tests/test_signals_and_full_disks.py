@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DATA, lora_run, recipe_file, run_cli, write_arms, write_yaml
+from helpers import DATA, REPO, lora_run, recipe_file, run_cli, write_arms, write_yaml
 
 from delft import signals
 from delft.errors import UserError
@@ -366,3 +366,24 @@ def test_export_on_a_small_disk_is_one_paragraph_and_leaves_nothing(tmp_path, ti
     assert r.exit_code == 2, r.output
     assert "No space left on device" in r.output or "disk is full" in r.output or "free" in r.output, r.output
     assert list(disk.iterdir()) == []
+
+
+def test_a_stop_caught_inside_code_run_by_pyrun_still_exits_with_delfts_code(tmp_path):
+    """CPython flags a KeyboardInterrupt raised in code it runs through PyRun_* (a C extension importing) as
+    unhandled even once caught, and a `python -m` run then exits by SIGINT (-2) instead of its own code: the flake
+    seen in CI on SIGTERM in export. delft's entry point clears the flag when its command ended by an exit code."""
+    flag = "import ctypes, sys\nctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')  # caught there\n"
+    (tmp_path / "bare.py").write_text(flag + "sys.exit(3)\n")
+    (tmp_path / "flagged.py").write_text(  # the flag set inside a command, which then ends with a user error
+        "import ctypes, sys\nimport delft.cli\nreported = delft.cli._reported\n"
+        "def flagged(*args, **kwargs):\n"
+        "    try:\n"
+        "        return reported(*args, **kwargs)\n"
+        "    finally:  # after the command's own imports, which may run PyRun_* themselves (and clear it)\n"
+        "        ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"
+        "delft.cli._reported = flagged\nsys.argv = ['delft', 'eval']\ndelft.cli.main()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    bare = subprocess.run([sys.executable, "-m", "bare"], capture_output=True, env=env, cwd=tmp_path)
+    assert bare.returncode == -signal.SIGINT  # the interpreter's behaviour the fix is for
+    done = subprocess.run([sys.executable, "-m", "flagged"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "delft eval" in done.stderr, (done.returncode, done.stdout, done.stderr)
