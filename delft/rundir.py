@@ -56,6 +56,22 @@ def read_info(run_dir: Path) -> dict:
     return info
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order ([] when absent); a line cut short or damaged (a run killed while
+    writing it) is skipped, so the whole rows around it still count."""
+    path = Path(run_dir) / METRICS
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
 def write_info(run_dir: Path, info: dict) -> None:
     write_atomic(Path(run_dir) / RUN_INFO, json.dumps(info, indent=2))
 

@@ -24,6 +24,7 @@ from delft.evaluation.problems import Problem
 from delft.evaluation.results import scored_result
 from delft.numbers.answers import cut_at_stop, extract_answer, score
 from delft.numbers.formats import read_numbers
+from delft.numbers.rewards import answer_column_of
 from delft.numbers.tokens import IGNORE
 from delft.recipe.files import as_trained, load_recipe, trained_numbers
 from delft.recipe.schema import DataConfig, NumbersConfig
@@ -65,6 +66,7 @@ def test_grpo_rewards_read_a_reversed_or_prefixed_answer_back(tmp_path, tiny_mod
                        train={"stage": "grpo"}, grpo={"reward": "partial"})
     funcs, _, _ = reward_setup(load_recipe(path))
     assert [f.__name__ for f in funcs] == ["exact", "digits"]  # the names TRL logs
+    assert [answer_column_of(f) for f in funcs] == ["answer", "answer"]  # DigitGRPOTrainer still checks the column
     assert funcs[0](["713", "317", "the sum is 713\n\nQuestion: 5"], answer=["317"] * 3) == [1.0, 0.0, 1.0]
     assert funcs[1](["713"], answer=["317"]) == [1.0] and funcs[1](["703"], answer=["317"])[0] < 1.0
     natural, _, _ = reward_setup(load_recipe(path, ["data.numbers.order=natural"]))

@@ -45,21 +45,25 @@ def read_completion(text: str, cfg) -> str:
     return read(text, n.order, n.count_prefix)
 
 
+def _writes_prompts(cfg) -> bool:
+    """Whether data.numbers rewrites the prompts' numbers too (scope everything, a form other than natural)."""
+    return cfg.numbers.active() and cfg.numbers.scope == "everything"
+
+
 def written_question(text: str, cfg) -> str:
     """A question's text with its numbers written as the model saw its prompts (only with scope everything)."""
     n = cfg.numbers
-    return write_numbers(text, n.order, n.count_prefix) if n.active() and n.scope == "everything" else text
+    return write_numbers(text, n.order, n.count_prefix) if _writes_prompts(cfg) else text
 
 
 def _written_prompt(example: Example, cfg) -> Example:
     """The example with its prompt's numbers written as the model saw them: only with scope everything."""
-    n = cfg.numbers
-    if not n.active() or n.scope != "everything":
+    if not _writes_prompts(cfg):
         return example
     if isinstance(example.prompt, list):
-        prompt = [{**m, "content": write_numbers(m["content"], n.order, n.count_prefix)} for m in example.prompt]
+        prompt = [{**m, "content": written_question(m["content"], cfg)} for m in example.prompt]
     else:
-        prompt = write_numbers(example.prompt, n.order, n.count_prefix)
+        prompt = written_question(example.prompt, cfg)
     return replace(example, prompt=prompt)
 
 

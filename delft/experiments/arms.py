@@ -10,7 +10,6 @@ trained (``ensure_trained``, ``train_all``). Differences are reported against th
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from delft.models.loading import free_memory
 from delft.recipe.files import load_recipe, recipe_chain
 from delft.recipe.keys import flat_keys, recipe_differences
 from delft.recipe.schema import Recipe
-from delft.rundir import METRICS, RECIPE, has_files, is_finished_run, is_run_dir, latest_checkpoint, read_info
+from delft.rundir import RECIPE, has_files, is_finished_run, is_run_dir, latest_checkpoint, metrics_rows, read_info
 from delft.training.resume import BOOKKEEPING_KEYS
 from delft.training.stages import run_training
 
@@ -173,17 +172,7 @@ def check_adoptable(run_dir: Path, cfg: Recipe, what: str, where: str = "delft c
 
 def _last_rows(run_dir: Path) -> dict:
     """The final training and validation rows of metrics.jsonl (for the JSON report)."""
-    path = run_dir / METRICS
-    out: dict = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line) if line.strip() else None
-            except ValueError:  # a line cut short or damaged: the report keeps the last whole rows
-                continue
-            if isinstance(row, dict):
-                out["validation" if "val_loss" in row else "train"] = row
-    return out
+    return {"validation" if "val_loss" in row else "train": row for row in metrics_rows(run_dir)}
 
 
 def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:

@@ -245,9 +245,10 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
     lines = ["## Verdicts", "", f"Rules applied: margin {margin['value']:g} points ({stated}); level "
              f"{rules['alpha']['value']:g}, the {rules['test']['value']} and a floor of "
              f"{rules['floor_percent']['value']:g} % (delft's defaults). Better / worse: Holm-adjusted p of the t test "
-             "over seeds (of the sign-flip test for the transition endpoints in steps and seeds) below the level. Not readable: a side below the floor, or controls of which none moved up "
-             "on that set and metric (the design could not have seen an effect). Equivalent: the t interval over "
-             "seeds inside +-margin. Otherwise inconclusive.", ""]
+             "over seeds (of the sign-flip test for the transition endpoints in steps and seeds) below the level. "
+             "Not readable: a side below the floor, or controls of which none moved up on that set and metric (the "
+             "design could not have seen an effect). Equivalent: the t interval over seeds inside +-margin. "
+             "Otherwise inconclusive.", ""]
     if not v["controls"]:
         lines[-2] += (" This study declares no control: an 'equivalent' rests on the interval alone, and nothing "
                       "shows that the design could have seen an effect.")

@@ -18,14 +18,13 @@ normal spread the t test assumes, and the sign-flip test assumes only that the p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from delft.errors import UserError
 from delft.evaluation.metrics import EXACT_MATCH
 from delft.experiments.seed_tests import detectable_difference, seed_spread, sign_flip_test, t_test
-from delft.rundir import METRICS
+from delft.rundir import METRICS, metrics_rows
 
 STEPS_SOONER, LEARNED = "steps_sooner", "learned"  # the two endpoints' metric names in the seed-level rows
 
@@ -33,16 +32,8 @@ STEPS_SOONER, LEARNED = "steps_sooner", "learned"  # the two endpoints' metric n
 def heldout_curve(run_dir: Path) -> list[tuple[int, float]]:
     """(step, held-out exact match) of every train.accuracy_steps measurement in a run's metrics.jsonl, in order
     (a resumed run's repeated steps: the last one written)."""
-    path = Path(run_dir) / METRICS
-    points: dict[int, float] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line) if line.strip() else None
-            except ValueError:  # a line cut short: the other measurements still stand
-                continue
-            if isinstance(row, dict) and EXACT_MATCH.heldout in row and isinstance(row.get("step"), int):
-                points[row["step"]] = float(row[EXACT_MATCH.heldout])
+    points = {row["step"]: float(row[EXACT_MATCH.heldout]) for row in metrics_rows(run_dir)
+              if EXACT_MATCH.heldout in row and isinstance(row.get("step"), int)}
     return sorted(points.items())
 
 

@@ -157,6 +157,17 @@ def trained_form(adapter: Optional[str], cfg) -> str:
     return f"{n.order} digits" + (" with count prefixes" if n.count_prefix else "")
 
 
+def check_one_form(specs: Sequence[_Spec], cfg) -> None:
+    """Compared models must write numbers alike: one answer's tokens cannot be read by both forms. Each run's
+    recipe.yaml is read once, before any model loads."""
+    forms = [trained_form(spec.adapter, cfg) for spec in specs]
+    other = next((i for i, form in enumerate(forms) if form != forms[0]), None)
+    if other is not None:
+        raise UserError(f"{specs[other].name} writes numbers as {forms[other]} and {specs[0].name} as {forms[0]} "
+                        "(data.numbers): one answer's tokens cannot be read by both", "--compare",
+                        "Inspect these models one at a time.")
+
+
 def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Optional[str] = None,
                 adapters: Sequence[str] = (), target: Optional[str] = None, max_new_tokens: int = 32,
                 json_out: Optional[Path] = None, plot: Optional[Path] = None, overrides: Sequence[str] = (),
@@ -169,6 +180,7 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
         model = base_name(cfg)
     specs = _model_specs(model, list(adapters))
     check_output_files({"--json": json_out, "--plot": plot})
+    check_one_form(specs, cfg)
     result: Optional[InspectResult] = None
     first_vocab = None
     for i, spec in enumerate(specs):
@@ -176,10 +188,6 @@ def run_inspect(recipe_path: Optional[Path] = None, prompt: str = "", model: Opt
                                             result, first_vocab)
         if i == 0:
             first_vocab = vocab
-        elif trained_form(spec.adapter, cfg) != trained_form(specs[0].adapter, cfg):
-            raise UserError(f"{spec.name} writes numbers as {trained_form(spec.adapter, cfg)} and {specs[0].name} as "
-                            f"{trained_form(specs[0].adapter, cfg)} (data.numbers): one answer's tokens cannot be "
-                            "read by both", "--compare", "Inspect these models one at a time.")
         elif _structure(view.records) != _structure(result.models[0].records):
             raise UserError(f"{spec.name}'s tokenizer splits the answer {result.answer!r} into digits differently "
                             f"from {specs[0].name}'s", "--compare", "Inspect these models one at a time.")

@@ -103,18 +103,22 @@ def read_back(reward, read: Callable[[str], str], stops=PLAIN_STOP_STRINGS):
     """``reward`` scoring each completion after ``read`` (a run's data.numbers form read back: delft.data.prompts
     .read_completion) of its text cut at ``stops``, as eval reads a reversed or prefixed answer; same name for TRL's
     logs. The gold stays natural."""
+    @functools.wraps(reward)  # its name for TRL's logs, and __wrapped__ for answer_column_of
     def read_then_score(completions: Sequence[Any], *args, **kwargs) -> list[Optional[float]]:
         return reward([read(cut_at_stop(completion_text(c), stops)) for c in completions], *args, stops=stops,
                       **kwargs)
 
-    read_then_score.__name__ = reward.__name__
     return read_then_score
 
 
 def answer_column_of(reward) -> Optional[str]:
-    """The column a delft reward (or a ``functools.partial`` of one) reads the gold from; None for others."""
+    """The column a delft reward (or a ``functools.partial`` of one, or one read_back wraps) reads the gold from;
+    None for others."""
     column = None
-    while isinstance(reward, functools.partial):
-        column = column or reward.keywords.get("answer_column")
-        reward = reward.func
+    while isinstance(reward, functools.partial) or hasattr(reward, "__wrapped__"):
+        if isinstance(reward, functools.partial):
+            column = column or reward.keywords.get("answer_column")
+            reward = reward.func
+        else:
+            reward = reward.__wrapped__
     return (column or "answer") if reward in (exact_reward, digit_reward) else None
