@@ -54,7 +54,8 @@ LAYER_H, LAYER_I, LAYER_FIT = 44, 24, 1.4
 # fitted to docs/gpu.md's three "Liger kernels, CE only" rows (LIGER_CALIBRATION): 0.6 gives -5 % to +4 %; anything in
 # 0.55-0.65 stays within 7 %. Not the kernels' doing: counted on the CPU (bench/layer_memory.py) they change a
 # layer's recompute + backward by 1-2 %, and that count alone predicts these rows within 7 %. The gap to LAYER_FIT
-# is more likely the eager 7B x 4096 row it was fitted to (docs/performance.md#gpu-memory-delft-recipe-check-recipe---plan---gpu-memory-8gib).
+# is more likely the eager 7B x 4096 row it was fitted to
+# (docs/performance.md#gpu-memory-delft-recipe-check-recipe---plan---gpu-memory-8gib).
 LIGER_LAYER_FIT = 0.6
 
 
@@ -99,9 +100,10 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def planned_nf4(recipe) -> bool:
-    """Whether the run quantises its base to nf4 on a GPU (quantization auto: for LoRA, not full fine-tuning)."""
+    """Whether the run quantises its base to nf4 on a GPU (quantization auto: for LoRA, not full fine-tuning, and
+    not under train.distributed fsdp, which refuses nf4: FSDP2 shards the base in the model dtype)."""
     q = recipe.quantization.mode
-    return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora")
+    return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora" and recipe.train.distributed != "fsdp")
 
 
 def _state_bytes(recipe) -> float:
@@ -122,26 +124,34 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     """(nf4 weights, 16-bit or fp32 weights, the trained state in bytes: LoRA weights + gradients + AdamW states,
     or, fully fine-tuned, every weight's gradient + AdamW states)."""
     q, lo = recipe.quantization, recipe.lora
-    H, L, V = s["hidden"], s["layers"], s["vocab"]
     d = dtype_bytes(recipe.model.dtype)
     nf4 = planned_nf4(recipe)
     small = 4 if nf4 and q.kbit_upcast else d  # prepare_model_for_kbit_training casts non-quantised weights to fp32
-    lin = linear_shapes(s)
     linear_params, other_params = parameter_counts(s)
     weights_nf4 = linear_params * (NF4_BYTES if q.double_quant else NF4_BYTES_NO_DQ) if nf4 else 0
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     if recipe.train.finetuning == "full":
         return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
+    trained = lora_parameters(s, lo) * (LORA_BYTES - 8 + _state_bytes(recipe))
+    return weights_nf4, weights_16, trained + saved_parameters(s, lo) * 4 * d
+
+
+def lora_parameters(s: dict, lo) -> int:
+    """The LoRA adapters' parameters over all layers (A and B of each targeted projection, DoRA's magnitudes)."""
     targets = lora_targets(lo.target_modules)
-    lora_params = L * sum(lo.r * (a + b) + (b if lo.use_dora else 0) for k, (a, b) in lin.items() if k in targets)
-    saved = sum(V * H for m in lo.modules_to_save if m in ("embed_tokens", "lm_head"))  # full trainable copies
-    return weights_nf4, weights_16, lora_params * (LORA_BYTES - 8 + _state_bytes(recipe)) + saved * 4 * d
+    lin = linear_shapes(s)
+    return s["layers"] * sum(lo.r * (a + b) + (b if lo.use_dora else 0) for k, (a, b) in lin.items() if k in targets)
+
+
+def saved_parameters(s: dict, lo) -> int:
+    """Parameters of lora.modules_to_save's full trainable copies (embeddings, output layer)."""
+    return sum(s["vocab"] * s["hidden"] for m in lo.modules_to_save if m in ("embed_tokens", "lm_head"))
 
 
 def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
     """(activations kept for backward, the largest layer's recompute + backward working set) in bytes."""
     t, lo = recipe.train, recipe.lora
-    H, L, I = s["hidden"], s["layers"], s["intermediate"]
+    H, L, I = s["hidden"], s["layers"], s["intermediate"]  # noqa: E741 - the shape's names
     d = dtype_bytes(recipe.model.dtype)
     lin = linear_shapes(s)
     layer_tok = (LIGER_LAYER_FIT if fused else LAYER_FIT) * (LAYER_H * H + LAYER_I * I) * d / 2  # fitted at 16 bit
@@ -272,7 +282,8 @@ def planned_fused(recipe) -> tuple[bool, bool, str]:
 
 
 def per_gpu(est: dict, world_size: int) -> dict:
-    """``plan_memory``'s numbers for each GPU of a ``world_size``-process data-parallel run (delft.training.distributed).
+    """``plan_memory``'s numbers for each GPU of a ``world_size``-process data-parallel run
+    (delft.training.distributed).
 
     Each rank runs the one-process step on its own micro-batch of train.batch_size, so its peak is the same; only
     NCCL's buffers come on top. The gradient all-reduce's flat fp32 copy of the LoRA gradients is made after the

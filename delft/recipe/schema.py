@@ -377,6 +377,13 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the LoRA init, data order and dropout (0 to "
                       "2**32 - 1, numpy's range).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory).")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With several processes (--nproc, torchrun): ddp keeps the whole model on every rank and "
+        "sums the trainable gradients; fsdp shards weights, gradients and optimizer states over the ranks with "
+        "PyTorch's FSDP2 (fully_shard per decoder layer, then the model), for models that outgrow one card "
+        "(docs/distributed.md). fsdp needs a launcher, and no nf4.")
+    cpu_offload: bool = Field(False, description="fsdp on CUDA only: keep the sharded weights, gradients and "
+                              "optimizer states in CPU memory between uses (FSDP2's CPUOffloadPolicy; slower).")
     logging_steps: int = Field(5, gt=0, description="Steps between log lines (metrics.jsonl).")
     eval_steps: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
     save_steps: int = Field(100, gt=0, description="Steps between checkpoints.")
@@ -413,6 +420,8 @@ class TrainConfig(Section):
         metric = self.early_stopping.metric if self.early_stopping else ("val_loss" if self.keep_best else None)
         if metric == "heldout_accuracy" and not self.accuracy_steps:
             raise ValueError("early_stopping.metric heldout_accuracy is measured every train.accuracy_steps: set it")
+        if self.cpu_offload and self.distributed != "fsdp":
+            raise ValueError("cpu_offload moves FSDP's shards to CPU memory: it needs distributed: fsdp")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must each be in [0, 1), not {list(self.betas)}")
         return self
@@ -563,6 +572,13 @@ class Recipe(Section):
             if changed or t.lr_scheduler == "wsd":
                 raise ValueError(f"train.stage grpo runs TRL's GRPOTrainer with its AdamW and schedules; "
                                  f"{', '.join(changed) or 'lr_scheduler wsd'} only apply to train.stage sft")
+        if self.train.distributed == "fsdp" and self.quantization.mode == "nf4":
+            raise ValueError("train.distributed fsdp shards bf16 or fp32 weights; FSDP2 cannot shard bitsandbytes' "
+                             "packed nf4 weights here: set quantization.mode: none (LoRA on a sharded bf16 base "
+                             "usually fits where QLoRA was needed), or keep nf4 with distributed: ddp")
+        if self.train.distributed == "fsdp" and self.train.stage == "grpo":
+            raise ValueError("train.distributed fsdp applies to train.stage sft; GRPO runs on TRL's GRPOTrainer "
+                             "(use its accelerate FSDP config, or distributed: ddp)")
         tracked = self.train.early_stopping is not None or self.train.keep_best
         if tracked and (self.train.early_stopping is None or self.train.early_stopping.metric == "val_loss") \
                 and self.data.val_size == 0:

@@ -69,11 +69,32 @@ def start(device_pref: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(local_rank())  # "cuda" (and nf4's device_map) now mean this rank's GPU
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+    dist.init_process_group(backend(device), timeout=timeout)
     import atexit
 
     atexit.register(stop)
     _interrupt_once()
+
+
+BACKEND_ENV = "DELFT_DIST_BACKEND"  # nccl or gloo; unset: nccl on CUDA, gloo on the CPU
+
+
+def backend(device: str) -> str:
+    """The process group's backend: DELFT_DIST_BACKEND when set (refused where it cannot run), else nccl on CUDA
+    and gloo on the CPU."""
+    import torch.distributed as dist
+
+    asked = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not asked:
+        return "nccl" if device == "cuda" else "gloo"
+    if asked not in ("nccl", "gloo"):
+        raise UserError(f"{BACKEND_ENV}={asked!r} names no backend delft uses", BACKEND_ENV,
+                        "Set it to nccl (GPUs) or gloo (CPU, or GPUs without NCCL), or unset it.")
+    if asked == "nccl" and (device != "cuda" or not dist.is_nccl_available()):
+        why = "this run trains on the CPU" if device != "cuda" else "this torch was built without NCCL"
+        raise UserError(f"{BACKEND_ENV}=nccl asks for NVIDIA's collectives, and {why}", BACKEND_ENV,
+                        "Unset it (gloo is used on the CPU), or run on CUDA GPUs with a torch built with NCCL.")
+    return asked
 
 
 def _die_with_the_launcher() -> None:
@@ -219,6 +240,13 @@ def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], consol
     as long as that product and batch_size stay. Then the step sequence and the examples are the same, but
     not which rank runs which micro-batch, so dropout masks differ from an uninterrupted run (said).
     """
+    if "train.distributed" in diff:
+        raise UserError(f"the run was trained with train.distributed {saved_recipe.train.distributed} and this "
+                        f"recipe says {recipe.train.distributed}; its checkpoints hold "
+                        f"{'shards' if saved_recipe.train.distributed == 'fsdp' else 'whole weights'}, which the "
+                        "other way cannot resume", "train.distributed",
+                        f"Resume it with train.distributed: {saved_recipe.train.distributed} (its recipe.yaml), or "
+                        "start a new run from its final model or adapter once it has finished.")
     was, now = int(saved_info.get("world_size", 1)), world_size()
     if was == now:
         return diff

@@ -288,6 +288,9 @@ class GRPOStage:
         self.trainer.model.save_pretrained(tmp)
         self.setup.tokenizer.save_pretrained(tmp)
 
+    def write_final_elsewhere(self) -> None:
+        """Nothing: TRL's ranks other than 0 have no part in the final files."""
+
     def end(self) -> tuple[dict, list[Path]]:
         return {}, []
 

@@ -88,6 +88,9 @@ class StageTrainer(Protocol):
     def write_final(self, tmp: Path) -> None:
         """The final model (or adapter) and tokenizer into ``tmp``."""
 
+    def write_final_elsewhere(self) -> None:
+        """The part of the ranks other than 0 while rank 0 writes the final files (a sharded run's gather them)."""
+
     def end(self) -> tuple[dict, list[Path]]:
         """Once the final files are in place: (what the run info adds, what goes with the checkpoints)."""
 
@@ -179,10 +182,14 @@ def _trained(run: Run, trainer: StageTrainer) -> None:
             trainer.train()
         except KeyboardInterrupt:
             _interrupted(run, trainer)
-        if run.stops.received is not None:  # a stage whose signals wait: its loop stopped at a step's end
+        if run.stops.received is not None and run.recipe.train.distributed != "fsdp":  # a stage whose signals wait:
+            # its loop stopped at a step's end (a sharded loop's ranks agree there; one signalled after the last
+            # step finishes the run with the others)
             _interrupted(run, trainer)
         if dist.is_main():
             _publish(run, trainer)
+        else:
+            trainer.write_final_elsewhere()
 
 
 def _interrupted(run: Run, trainer: StageTrainer) -> None:
@@ -209,6 +216,8 @@ def _publish(run: Run, trainer: StageTrainer) -> None:
         stopped = run.stops.received is not None  # a stage whose signals wait: recorded while the files were written
     except KeyboardInterrupt:
         stopped = True
+    if stopped and run.recipe.train.distributed == "fsdp":  # rank 0 cannot save shards alone: the run finishes
+        stopped = False
     if stopped:
         shutil.rmtree(tmp, ignore_errors=True)
         _interrupted(run, trainer)

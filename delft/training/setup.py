@@ -47,6 +47,8 @@ class Setup:
 def setup(recipe: Recipe) -> Setup:
     device = resolve_device(recipe.model.device)
     quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning)
+    if recipe.train.distributed == "fsdp" and quant == "nf4":  # auto: FSDP shards plain weights, never nf4
+        quant = "none"
     ref = recipe_model_ref(recipe)
     tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
     if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
@@ -68,7 +70,8 @@ def build_model(s: Setup, console: Console):
     import torch
 
     r = s.recipe
-    dtype = resolve_dtype(r.model.dtype, s.device)
+    # fsdp: fp32 shards, which the optimizer steps; on CUDA FSDP computes in bf16 (delft.training.sharding)
+    dtype = torch.float32 if r.train.distributed == "fsdp" else resolve_dtype(r.model.dtype, s.device)
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
     model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
                        r.model.revision, r.model.trust_remote_code)

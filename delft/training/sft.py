@@ -21,15 +21,17 @@ from delft import rundir
 from delft.data.batches import collate, collate_packed
 from delft.errors import UserError
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
-from delft.models.loading import MUTATING_INITS, save_initial_adapter
+from delft.models.loading import MUTATING_INITS, resolve_device, save_initial_adapter
 from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
+from delft.training import sharding
 from delft.training.checkpoints import (
     AGAIN,
     adapter_bytes,
     check_free_space,
     load_checkpoint,
+    read_state,
     rng_states,
     save_checkpoint,
 )
@@ -49,6 +51,8 @@ INITIAL_ADAPTER = "initial_adapter"  # lora.init pissa/olora: the init, for the 
 def load(recipe: Recipe, run: Run) -> "Trainer":
     """The run's data, model and Trainer, read before anything in the run directory changes."""
     random.seed(recipe.train.seed)
+    if recipe.train.distributed == "fsdp":
+        sharding.check_launch(recipe, resolve_device(recipe.model.device))
     s = setup(recipe)
     model, dtype, kernels = build_model(s, run.console)
     describe(s, model, dtype, run.console)
@@ -67,6 +71,8 @@ class Trainer:
         self.recipe, self.loss = s.recipe, s.loss
         self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
         self.total_steps = self.schedule.total_steps
+        # train.distributed fsdp: the FSDP root (the model and the loss), whose forward the steps call; None: ddp
+        self.root = sharding.shard(model, s.loss, s.recipe, s.device) if t.distributed == "fsdp" else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(s, self.params, dtype)
         self.scheduler = build_scheduler(s.recipe, self.optimizer, self.schedule.warmup_steps, self.total_steps)
@@ -97,13 +103,16 @@ class Trainer:
         """The loop's part of opening the run directory: the pissa/olora init kept, the checkpoint loaded with the
         CE paths the earlier run took, the loggers of train.report_to started. Rank 0 alone writes; the other ranks
         only load the checkpoint."""
-        if not dist.is_main():
+        if self.root is not None and ckpt is not None:
+            self.step = self.load_sharded(ckpt)
+        elif not dist.is_main():
             self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler) if ckpt else 0
+        if not dist.is_main():
             return
         if self.initial_adapter is not None:  # before a checkpoint loads: the init is rebuilt the same way
             with staged(self.initial_adapter) as tmp:
                 save_initial_adapter(self.model, tmp)
-        if ckpt is not None:
+        if ckpt is not None and self.root is None:
             self.step = self.resume_from(ckpt)
             earlier = rundir.read_info(self.run.dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
@@ -111,10 +120,31 @@ class Trainer:
             self.reporters = Reporters(self.recipe.train.report_to, self.run.dir, self.recipe.to_dict(),
                                        self.run.dir.name)
 
+    def load_sharded(self, ckpt: Path) -> int:
+        """A sharded checkpoint into every rank's shards (any number of ranks wrote it); its step. Rank 0 also
+        restores early stopping's state."""
+        if not sharding.is_sharded_checkpoint(ckpt):
+            raise UserError(f"{ckpt} was written by a train.distributed ddp run (one whole copy of the weights), and "
+                            "this run shards them (fsdp)", "train.distributed",
+                            "Resume it with train.distributed: ddp (its recipe.yaml), then start an fsdp run from its "
+                            "final model or adapter (model.name or model.adapter).")
+        sharding.load_checkpoint(ckpt, self.root, self.optimizer)
+        state = read_state(ckpt)
+        self.scheduler.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        if self.early_stopping is not None and dist.is_main():
+            self.early_stopping.load((state.get("extra") or {}).get("tracker"))
+        return int(state["step"])
+
     def resume_from(self, ckpt: Path) -> int:
         """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
         older = [c for c in reversed(rundir.checkpoints(self.run.dir)) if c.name < ckpt.name]
         for candidate in [ckpt, *older]:
+            if sharding.is_sharded_checkpoint(candidate):
+                raise UserError(f"{candidate} holds the shards of a train.distributed fsdp run, and this run keeps "
+                                "whole weights (ddp)", "train.distributed",
+                                "Resume it with train.distributed: fsdp and a launcher (--nproc N), as it was "
+                                "trained (its recipe.yaml).")
             try:
                 extra: dict = {}
                 step = load_checkpoint(candidate, self.model, self.optimizer, self.scheduler, extra)
@@ -132,9 +162,14 @@ class Trainer:
     def save_checkpoint(self) -> Optional[Path]:
         """A checkpoint of the last whole step (rank 0 writes it; None on the others). Early stopping's state goes
         with it under the key "tracker", as checkpoints have always stored it."""
+        state = self.early_stopping.state() if self.early_stopping else None
+        if self.root is not None:  # every rank writes its shards
+            trainer_state = {"step": self.step, "optimizer": sharding.SHARDED_MARK, "rng": self.step_rng or rng_states(),
+                             "scheduler": self.scheduler.state_dict(), "extra": {"tracker": state}}
+            return sharding.save_checkpoint(self.run.dir, self.root, self.optimizer, trainer_state,
+                                            self.recipe.train.keep_checkpoints)
         if not dist.is_main():
             return None
-        state = self.early_stopping.state() if self.early_stopping else None
         return save_checkpoint(self.run.dir, self.model, self.optimizer, self.scheduler, self.step,
                                self.recipe.train.keep_checkpoints, self.step_rng, extra={"tracker": state})
 
@@ -160,9 +195,14 @@ class Trainer:
         self.step_rng = rng_states()  # an interrupt before the step commits resumes from exactly here
         batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
         dist.seed_step(t.seed, self.step)
-        out = optimizer_step(self.model, batches, self.loss, self.setup.device)
-        dist.all_reduce_grads(self.params)
+        if self.root is None:
+            out = optimizer_step(self.model, batches, self.loss, self.setup.device)
+            dist.all_reduce_grads(self.params)
+        else:  # FSDP reduce-scatters the gradients in the last micro-batch's backward
+            out = optimizer_step(self.root, batches, self.loss, self.setup.device,
+                                 lambda last: sharding.sync_gradients(self.root, last))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+        grad_norm = sharding.local_value(grad_norm)  # a DTensor when the gradients are sharded
         with self.run.stops.atomic():
             self.optimizer.step()
             self.scheduler.step()
@@ -172,7 +212,7 @@ class Trainer:
         if not math.isfinite(out["loss"]):
             raise UserError(f"the loss became {out['loss']} at step {self.step}", "train.learning_rate",
                             "Lower train.learning_rate or use dtype float32; the last checkpoint is kept.")
-        return out, float(grad_norm)
+        return out, grad_norm
 
     def _append_metrics(self, row: dict) -> None:
         """A metrics.jsonl line (the run's, rank 0), also to the loggers of train.report_to."""
@@ -190,22 +230,29 @@ class Trainer:
                            f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
 
     def validate(self) -> Optional[float]:
-        """The validation loss (logged and shown) on rank 0; None on the others."""
-        if not dist.is_main():  # validation loss runs on rank 0 alone; the others wait at the next step
+        """The validation loss (logged and shown) on rank 0; None on the others. Unsharded, rank 0 computes it
+        alone (the others wait at the next step); sharded, every rank takes part (each holds a part of every layer)."""
+        if self.root is None and not dist.is_main():
             return None
-        ev = evaluate_loss(self.model, self.setup.val, self.loss, self.recipe.train.batch_size,
-                           self.setup.tokenizer.pad_token_id, self.setup.device)
+        ev = evaluate_loss(self.model if self.root is None else self.root, self.setup.val, self.loss,
+                           self.recipe.train.batch_size, self.setup.tokenizer.pad_token_id, self.setup.device)
+        if not dist.is_main():
+            return None
         self._append_metrics({"step": self.step, **ev})
         self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
                            f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
         return ev["val_loss"]
 
     def measure_accuracy(self) -> Optional[float]:
-        """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown; rank 0 alone, like
-        validation (None on the others)."""
+        """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown by rank 0 (None on
+        the others); who computes it as for validation."""
+        if self.root is None and not dist.is_main():
+            return None
+        with sharding.Gathered(self.root):  # sharded: every rank generates alike, with the root's weights gathered
+            measured = self.heldout.measure(self.model)
         if not dist.is_main():
             return None
-        row = {"step": self.step, **self.heldout.measure(self.model)}
+        row = {"step": self.step, **measured}
         self._append_metrics(row)
         exact, digits = row[EXACT_MATCH.heldout], row[DIGIT_ACCURACY.heldout]
         self.console.print(f"step {self.step:>5}  held-out exact match {100 * exact:.1f} % of "
@@ -222,7 +269,8 @@ class Trainer:
 
         t, total = self.recipe.train, self.schedule.total_steps
         self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
-                           f"{dist.describe()}({self.schedule.micro_per_epoch} micro-batches per epoch), "
+                           f"{dist.describe()}{sharding.describe(self.root)}"
+                           f"({self.schedule.micro_per_epoch} micro-batches per epoch), "
                            f"run directory {self.run.dir}")
         if self.setup.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -242,6 +290,8 @@ class Trainer:
                 progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
                                                                  f"peak {peak_memory_gb(self.setup.device):.2f} GB")
                 logged, stop = self.after_step(out, grad_norm, rate, stats)
+                if self.root is not None:
+                    self.agree_on_signal()
                 if logged:
                     window_tokens, window_start = 0, time.perf_counter()
                 if stop:
@@ -250,6 +300,19 @@ class Trainer:
                         self.console.print(f"[yellow]early stopping[/] at step {self.step}: "
                                            f"{self.early_stopping.summary(self.step)['stopped_early']['why']}")
                     break
+
+    def agree_on_signal(self) -> None:
+        """Sharded, a signal is only recorded (train.distributed fsdp's stage waits for signals) and the ranks
+        stop together at the end of a step, so every rank takes part in the checkpoint: a rank that saved alone
+        would wait forever for the others' shards."""
+        import signal as signals
+
+        mine = float(self.run.stops.received or 0)
+        if dist.all_reduce_floats([mine])[0] == 0:
+            return
+        if self.run.stops.received is None:  # another rank's signal: torchrun forwards SIGTERM, so say that one
+            self.run.stops.received = signals.SIGTERM
+        raise KeyboardInterrupt
 
     def after_step(self, out: dict, grad_norm: float, rate: float, stats: str) -> tuple[bool, bool]:
         """Log, validate, measure, save and snapshot as this step asks: (logged, early stopping ends the run)."""
@@ -274,7 +337,10 @@ class Trainer:
         stopping = self.early_stopping
         if stopping is None or stopping.metric not in measured:
             return False
-        if dist.is_main() and stopping.update(measured[stopping.metric], self.step) and self.recipe.train.keep_best:
+        improved = dist.is_main() and stopping.update(measured[stopping.metric], self.step)
+        if self.root is not None:  # every rank takes part in gathering the best model
+            improved = bool(dist.all_reduce_floats([float(improved)])[0])
+        if improved and self.recipe.train.keep_best:
             self.save_best()
         stop = dist.is_main() and stopping.should_stop
         return bool(dist.all_reduce_floats([float(stop)])[0])
@@ -295,8 +361,11 @@ class Trainer:
 
     def save_model(self, path: Path) -> None:
         """The model or adapter as a user loads it: a pissa/olora adapter converted to apply to the original base
-        (its checkpoints stay unconverted: a resume rebuilds the same mutated base)."""
-        if self.initial_adapter is None:
+        (its checkpoints stay unconverted: a resume rebuilds the same mutated base). Sharded, it is gathered first
+        (see ``write_model_dir``)."""
+        if self.root is not None:
+            sharding.save_pretrained(self.root, path)
+        elif self.initial_adapter is None:
             self.model.save_pretrained(path)
         else:
             self.model.save_pretrained(path, path_initial_model_for_weight_conversion=str(self.initial_adapter))
@@ -304,13 +373,17 @@ class Trainer:
     def snapshot(self) -> None:
         """The model (or adapter) and tokenizer as they are now, kept in snapshots/step-N (learning curves)."""
         path = rundir.snapshot_path(self.run.dir, self.step)
-        if not dist.is_main() or path.is_dir():  # a resumed run keeps the one it wrote before
+        if path.is_dir() or (self.root is None and not dist.is_main()):  # a resumed run keeps the one it wrote
             return
         self.write_model_dir(path, "snapshot", self.setup.tokenizer.save_pretrained)
 
     def write_model_dir(self, path: Path, what: str, also) -> None:
         """The model (or adapter) as ``save_model`` writes it, plus what ``also(tmp)`` adds, into ``path`` whole
-        (staged; the free space checked first)."""
+        (staged; the free space checked first). Sharded, every rank calls it and the others only help gather."""
+        if not dist.is_main():
+            if self.root is not None:
+                sharding.save_pretrained(self.root, None)
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         check_free_space(path.parent, adapter_bytes(self.model) + 2**24, what)
         with staged(path) as tmp, no_space_is_a_user_error(path, "output.dir", AGAIN, partial=tmp):
@@ -328,10 +401,18 @@ class Trainer:
         best = self.best_dir()
         self.final_from_best = best is not None
         if best is not None:  # keep_best: the best step's files, not the last step's
+            if self.root is not None:  # the other ranks gather the last step's model all the same
+                sharding.full_state_dict(self.root)
             shutil.copytree(best, tmp, ignore=shutil.ignore_patterns(BEST_INFO))
         else:
             self.save_model(tmp)
         self.setup.tokenizer.save_pretrained(tmp)
+
+    def write_final_elsewhere(self) -> None:
+        """What the ranks other than 0 do while rank 0 writes the final files: a sharded run's take part in
+        gathering the model."""
+        if self.root is not None:
+            sharding.full_state_dict(self.root)
 
     def end(self) -> tuple[dict, list[Path]]:
         """Once the final files are in place: (what the run info adds: the best step and an early stop, what is

@@ -23,13 +23,25 @@ def forward_sums(model, batch: dict, loss):
     return loss.sums(hidden[:, :-1], head, targets(batch))
 
 
-def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
+def micro_sums(model, batch: dict, loss):
+    """A micro-batch's Sums: ``forward_sums`` of a model, or the forward of a sharded run's root
+    (delft.training.sharding.LossStep, which runs ``forward_sums`` inside FSDP's hooks)."""
+    if getattr(model, "computes_loss", False):
+        return model(batch)[-1]
+    return forward_sums(model, batch, loss)
+
+
+def optimizer_step(model, batches: list[dict], loss, device: str, sync=None) -> dict:
     """Backward over the micro-batches, normalised by the whole optimizer batch's counts; returns the step's
-    loss, CE and term (``Loss.means``), its real tokens and digit labels."""
+    loss, CE and term (``Loss.means``), its real tokens and digit labels. ``model``: as ``micro_sums`` takes it;
+    ``sync(last)``, when given, is told before each backward whether it is the step's last (a sharded run reduces
+    its gradients only then)."""
     counts = dist.all_reduce_counts(sum((loss.count(targets(b)) for b in batches), Counts(0, 0)))
     total = Sums(0.0, 0.0, Counts(0, 0))
-    for b in batches:
-        sums = forward_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
+    for i, b in enumerate(batches):
+        sums = micro_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
+        if sync is not None:
+            sync(i == len(batches) - 1)
         loss.combine(sums, counts).backward()
         total = total + sums.detach()
     tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
@@ -38,7 +50,8 @@ def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
 
 
 def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -> dict:
-    """Validation loss, CE and term, each normalised over the whole validation set."""
+    """Validation loss, CE and term, each normalised over the whole validation set (``model`` as ``micro_sums``
+    takes it)."""
     import torch
 
     model.eval()
@@ -46,7 +59,7 @@ def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -
     with torch.no_grad():
         for i in range(0, len(val), batch_size):
             b = {k: v.to(device) for k, v in collate(val[i:i + batch_size], pad_id).items()}
-            total = total + forward_sums(model, b, loss).detach()
+            total = total + micro_sums(model, b, loss).detach()
     model.train()
     m = loss.means(total, total.counts)
     return {"val_ce": m["ce"], "val_term": m["term"], "val_loss": m["loss"]}

@@ -1,4 +1,5 @@
-"""delft.planning: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan command."""
+"""delft.planning: the memory estimate against docs/gpu.md's H200 measurements, its arithmetic, and the --plan
+command."""
 
 import json
 
@@ -7,10 +8,16 @@ import yaml
 from helpers import run_cli
 
 from delft.errors import UserError
-from delft.recipe.schema import validate_recipe
-from delft.planning.memory import (CALIBRATION, GiB, calibration_table, liger_calibration_table, parse_memory,
-    plan_memory)
+from delft.planning.memory import (
+    CALIBRATION,
+    GiB,
+    calibration_table,
+    liger_calibration_table,
+    parse_memory,
+    plan_memory,
+)
 from delft.planning.shapes import QWEN2, SMOLLM2_CONFIG
+from delft.recipe.schema import validate_recipe
 
 
 def recipe(**sections):
@@ -61,7 +68,8 @@ def test_components_add_up_and_move_the_right_way():
     assert p["total"] == pytest.approx(p["peak_allocated"] + p["allocator_slack"] + p["cuda_context"], abs=4)
 
     def total(**sections):
-        return plan_memory(cfg, recipe(**{"data": {"max_length": 1024}, "train": {"batch_size": 4}, **sections}))["total"]
+        sections = {"data": {"max_length": 1024}, "train": {"batch_size": 4}, **sections}
+        return plan_memory(cfg, recipe(**sections))["total"]
 
     assert total(train={"batch_size": 1}) < p["total"]
     assert total(data={"max_length": 256}) < p["total"]
