@@ -152,14 +152,24 @@ def train(
     resume: Optional[bool] = typer.Option(
         None, "--resume/--no-resume", help="Continue from the run's last checkpoint (default: automatic if one exists)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing run directory."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes (one per GPU), via torchrun."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes on this machine (one per GPU), via "
+                                        "torchrun (default 1; train.distributed fsdp needs it, or torchrun)."),
     oversubscribe: bool = typer.Option(False, "--oversubscribe",
                                        help="Allow more --nproc processes than GPUs (or CPU cores without GPUs)."),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the run; start the same command on each "
+                               "(docs/distributed.md#several-machines)."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's number, 0 to --nnodes - 1 (0 "
+                                  "writes the run directory)."),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of node 0, which every node can "
+                                    "reach (several nodes)."),
+    master_port: int = typer.Option(29500, "--master-port", min=1, max=65535, help="A free port on node 0."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
     from delft.training.command import train_command
+    from delft.training.distributed import Nodes
 
-    train_command(recipe, set_, resume, force, nproc, oversubscribe, console)
+    train_command(recipe, set_, resume, force, nproc, oversubscribe, console,
+                  Nodes(nnodes, node_rank, master_addr, master_port))
 
 
 @app.command("eval")
@@ -326,6 +336,8 @@ def recipe_check(
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
     world_size: int = typer.Option(1, "--world-size", min=1, help="Plan each GPU of a run on N processes."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="Plan the run as ddp or fsdp (the same as "
+                                              "--set train.distributed=...; default: the recipe's)."),
     show_examples: int = typer.Option(0, "--show-examples", min=0, help="Print the first N training examples as "
                                       "the trainer tokenizes them: masked and trained spans, the digits the loss "
                                       "scores and their places."),
@@ -339,7 +351,7 @@ def recipe_check(
 
     if gpu_memory is not None:
         parse_memory(gpu_memory)  # a bad budget is refused before the plan is worked out and printed
-    cfg = load_recipe(recipe, set_)
+    cfg = load_recipe(recipe, [*set_, *([f"train.distributed={distributed}"] if distributed else [])])
     try:
         check_before_loading(cfg)  # train's own checks before loading: "valid" means train gets past them here
     except UserError as e:

@@ -181,8 +181,7 @@ def _print_fit(console, fit: dict, budget: int) -> None:
                       highlight=False)
         return
     console.print(f"fsdp: never fits {gib} per rank within {MAX_WORLD_SIZE} ranks ({fit['total_at_max'] / GiB:.2f} "
-                  f"GiB per rank at {MAX_WORLD_SIZE}: the gathered layers, activations and loss do not shrink with "
-                  "more ranks)", highlight=False)
+                  f"GiB per rank at {MAX_WORLD_SIZE}: only the shards shrink with more ranks)", highlight=False)
     for h in fit["helps"]:
         at = f"fits at world size {h['world_size']}" if h["world_size"] is not None else "still does not fit"
         console.print(f"  with {h['change']}: {at}", highlight=False)

@@ -29,8 +29,9 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
                   world_size: int = 1) -> list[dict]:
     """Changes (one knob each) that bring the total under ``budget``, with what each saves; a combination last.
 
-    Under train.distributed fsdp the totals are per rank of ``world_size`` (``plan_fsdp``, NCCL's buffers included),
-    nf4 is never offered (fsdp refuses it) and train.cpu_offload is; otherwise one process's ``plan_memory``."""
+    Under train.distributed fsdp the totals are per rank of ``world_size`` (``plan_fsdp``, NCCL's buffers included).
+    Neither nf4 nor the 8-bit AdamWs is offered there, because fsdp refuses both; train.cpu_offload is. Otherwise
+    the totals are one process's ``plan_memory``. train.grad_accum is never offered: neither plan depends on it."""
     fsdp = recipe.train.distributed == "fsdp"
 
     def planned(r, f=fused):
@@ -56,7 +57,7 @@ def suggest_knobs(config: dict, recipe, budget: int, fused: bool, liger_availabl
         trial("train.cpu_offload", [True], "FSDP2 keeps the shards in CPU memory; slower steps")
     if q.mode == "none" and lora and not fsdp:
         trial("quantization.mode", ["nf4"])
-    if not lora and t.optimizer == "adamw":
+    if not lora and t.optimizer == "adamw" and not fsdp:
         trial("train.optimizer", ["adamw_8bit"], "bitsandbytes' 8-bit AdamW")
     if q.kbit_upcast and not fsdp:
         trial("quantization.kbit_upcast", [False])

@@ -106,7 +106,7 @@ def planned_nf4(recipe) -> bool:
     return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora" and recipe.train.distributed != "fsdp")
 
 
-def _state_bytes(recipe) -> float:
+def state_bytes(recipe) -> float:
     """The optimizer's state per trained parameter: AdamW's two moments in fp32, or in 8 bits with one fp32 absmax
     per block of 256 (the 8-bit AdamWs), or SGD's momentum buffer (none without momentum)."""
     t = recipe.train
@@ -117,7 +117,7 @@ def _state_bytes(recipe) -> float:
 
 def _optimizer_bytes_per_param(recipe) -> float:
     """Full fine-tuning: each weight's gradient (in the weights' dtype) and the optimizer's state."""
-    return dtype_bytes(recipe.model.dtype) + _state_bytes(recipe)
+    return dtype_bytes(recipe.model.dtype) + state_bytes(recipe)
 
 
 def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
@@ -132,7 +132,7 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     if recipe.train.finetuning == "full":
         return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
-    trained = lora_parameters(s, lo) * (LORA_BYTES - 8 + _state_bytes(recipe))
+    trained = lora_parameters(s, lo) * (LORA_BYTES - 8 + state_bytes(recipe))
     return weights_nf4, weights_16, trained + saved_parameters(s, lo) * 4 * d
 
 
@@ -148,7 +148,7 @@ def saved_parameters(s: dict, lo) -> int:
     return sum(s["vocab"] * s["hidden"] for m in lo.modules_to_save if m in ("embed_tokens", "lm_head"))
 
 
-def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
+def layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, float]:
     """(activations kept for backward, the largest layer's recompute + backward working set) in bytes."""
     t, lo = recipe.train, recipe.lora
     H, L, I = s["hidden"], s["layers"], s["intermediate"]  # noqa: E741 - the shape's names
@@ -170,7 +170,7 @@ def _layer_bytes(s: dict, recipe, fused: bool, tokens: int) -> tuple[float, floa
     return activations, layer_backward
 
 
-def _loss_bytes(s: dict, recipe, fused: bool, tokens: int, n_lab: int) -> float:
+def loss_bytes(s: dict, recipe, fused: bool, tokens: int, n_lab: int) -> float:
     """The loss's working set in bytes: the output layer's logits (chunked or Liger's fused rows) and the digit rows."""
     H, V = s["hidden"], s["vocab"]
     d = dtype_bytes(recipe.model.dtype)
@@ -201,8 +201,8 @@ def plan_memory(config: dict, recipe, fused: bool = False, label_fraction: float
     tokens = recipe.train.batch_size * recipe.data.max_length
     n_lab = max(1, math.ceil(tokens * label_fraction))
     weights_nf4, weights_16, lora_opt = _weight_bytes(s, recipe)
-    activations, layer_backward = _layer_bytes(s, recipe, fused, tokens)
-    loss = _loss_bytes(s, recipe, fused, tokens, n_lab)
+    activations, layer_backward = layer_bytes(s, recipe, fused, tokens)
+    loss = loss_bytes(s, recipe, fused, tokens, n_lab)
     peak = weights_nf4 + weights_16 + lora_opt + activations + max(loss, layer_backward)
     slack = peak * ALLOCATOR_SLACK
     comp = dict(weights_nf4=weights_nf4, weights_16bit=weights_16, lora_optimizer=lora_opt,

@@ -69,7 +69,8 @@ def model_shape(config: dict) -> dict:
 
 def linear_shapes(s: dict) -> dict:
     """(in, out) of each projection of one layer."""
-    H, q, kv, I = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["intermediate"]  # noqa: E741
+    H, I = s["hidden"], s["intermediate"]  # noqa: E741 - the shape's names
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
             "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 

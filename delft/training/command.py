@@ -11,17 +11,19 @@ from typing import Optional
 from rich.console import Console
 
 from delft.recipe.files import load_recipe
-from delft.training.distributed import check_nproc, launched, relaunch, strip_nproc, world_size
+from delft.training.distributed import Nodes, check_nproc, launched, relaunch, strip_nproc, world_size
 from delft.training.stages import run_training
 
 
-def train_command(recipe: Path, overrides: list[str], resume: Optional[bool], force: bool, nproc: int,
-                  oversubscribe: bool, console: Console) -> Path:
-    """Train the recipe at ``recipe``; with ``nproc`` > 1 this process is replaced by torchrun starting that many."""
+def train_command(recipe: Path, overrides: list[str], resume: Optional[bool], force: bool, nproc: Optional[int],
+                  oversubscribe: bool, console: Console, nodes: Nodes = Nodes()) -> Path:
+    """Train the recipe at ``recipe``; with ``nproc`` given (more than one, or for a sharded run any number) or
+    several nodes, this process hands over to torchrun starting ``nproc`` workers on this machine (default 1)."""
     cfg = load_recipe(recipe, overrides)
-    if nproc > 1:
-        check_nproc(nproc, cfg.model.device, oversubscribe)
-        relaunch(nproc, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]))
+    sharded = cfg.train.distributed == "fsdp"
+    if (nproc or 1) > 1 or nodes.count > 1 or (sharded and nproc is not None):
+        check_nproc(nproc or 1, cfg.model.device, oversubscribe)
+        relaunch(nproc or 1, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]), nodes)
     again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
         again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"

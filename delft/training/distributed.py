@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from delft import signals
@@ -268,8 +269,29 @@ def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], consol
 ERROR_FILE_ENV = "DELFT_ERROR_FILE"  # where --nproc's workers leave a user error for the parent to print once
 
 
-def relaunch(nproc: int, argv: list[str]) -> None:
-    """Run torchrun starting ``nproc`` copies of ``delft <argv>`` (argv without --nproc), then exit with its status.
+@dataclass(frozen=True)
+class Nodes:
+    """Where this machine sits among several (``delft train --nnodes N --node-rank R --master-addr A --master-port
+    P``): torchrun's static rendezvous at A:P, which node R's torchrun (R = 0) serves."""
+
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def torchrun_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone"]
+        if not 0 <= self.rank < self.count:
+            raise UserError(f"--node-rank {self.rank} is not one of the {self.count} nodes (0 to {self.count - 1})",
+                            "--node-rank", "Give each machine its own --node-rank from 0 to --nnodes - 1.")
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def relaunch(nproc: int, argv: list[str], nodes: Nodes = Nodes()) -> None:
+    """Run torchrun starting ``nproc`` copies of ``delft <argv>`` on this machine (argv without the launch options;
+    ``nodes``: this machine's part of a multi-node run), then exit with its status.
 
     A user error in the workers is printed once, by this process, with exit 2, instead of once per rank plus
     torchrun's traceback: the workers write it to ERROR_FILE_ENV and stay silent. Ctrl-C reaches torchrun and
@@ -280,7 +302,7 @@ def relaunch(nproc: int, argv: list[str]) -> None:
     if launched():
         raise UserError("--nproc was given to a process that a launcher already started", "--nproc",
                         "Drop --nproc when using torchrun or accelerate launch.")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(), f"--nproc-per-node={nproc}",
            "-m", "delft", *argv]
     with tempfile.TemporaryDirectory(prefix="delft-nproc-") as tmp:
         env = {**os.environ, ERROR_FILE_ENV: str(Path(tmp) / "error"),
@@ -344,14 +366,17 @@ def check_nproc(nproc: int, device_pref: str, oversubscribe: bool = False) -> No
                         f"Use --nproc {devices} or fewer, or add --oversubscribe to start {nproc} anyway.")
 
 
+LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")  # torchrun's, not a worker's
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without ``--nproc N`` / ``--nproc=N``."""
+    """``argv`` without the launch options (``--nproc N`` / ``--nproc=N``, ``--nnodes``, ...)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCH_OPTIONS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{o}=" for o in LAUNCH_OPTIONS)):
             out.append(a)
     return out

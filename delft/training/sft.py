@@ -164,8 +164,8 @@ class Trainer:
         with it under the key "tracker", as checkpoints have always stored it."""
         state = self.early_stopping.state() if self.early_stopping else None
         if self.root is not None:  # every rank writes its shards
-            trainer_state = {"step": self.step, "optimizer": sharding.SHARDED_MARK, "rng": self.step_rng or rng_states(),
-                             "scheduler": self.scheduler.state_dict(), "extra": {"tracker": state}}
+            trainer_state = {"step": self.step, "optimizer": sharding.SHARDED_MARK, "extra": {"tracker": state},
+                             "rng": self.step_rng or rng_states(), "scheduler": self.scheduler.state_dict()}
             return sharding.save_checkpoint(self.run.dir, self.root, self.optimizer, trainer_state,
                                             self.recipe.train.keep_checkpoints)
         if not dist.is_main():
@@ -198,9 +198,8 @@ class Trainer:
         if self.root is None:
             out = optimizer_step(self.model, batches, self.loss, self.setup.device)
             dist.all_reduce_grads(self.params)
-        else:  # FSDP reduce-scatters the gradients in the last micro-batch's backward
-            out = optimizer_step(self.root, batches, self.loss, self.setup.device,
-                                 lambda last: sharding.sync_gradients(self.root, last))
+        else:  # FSDP reduce-scatters the gradients in every backward
+            out = optimizer_step(self.root, batches, self.loss, self.setup.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
         grad_norm = sharding.local_value(grad_norm)  # a DTensor when the gradients are sharded
         with self.run.stops.atomic():

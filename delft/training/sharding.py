@@ -9,10 +9,12 @@ unit's forward, so the forward that must span the whole step is the loss's.
 
 Gradients are summed over the ranks, not averaged (FSDP2's default): delft's loss is already normalised by the
 whole optimizer batch's counts, all-reduced before the first backward as under ddp. So every unit has a divide
-factor of 1 and a plain SUM reduction (a divide factor alone asks for PREMUL_SUM, which gloo lacks). The
-micro-batches before the last one of a step skip the reduce-scatter (``set_requires_gradient_sync``); the last one
-sums them all. On CUDA the sharded weights are fp32 (the optimizer's) and compute runs in bf16, gradients reduced in
-fp32 (``MixedPrecisionPolicy``); ``train.cpu_offload`` keeps the shards in CPU memory between uses.
+factor of 1 and a plain SUM reduction (a divide factor alone asks for PREMUL_SUM, which gloo lacks). Every
+micro-batch's backward reduce-scatters, into the sharded gradients the next one adds to: skipping it until a step's
+last micro-batch (``set_requires_gradient_sync``) would save communication but hold every layer's whole fp32
+gradient on every rank meanwhile, the memory sharding is there to save. On CUDA the sharded weights are fp32 (the
+optimizer's), compute runs in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``);
+``train.cpu_offload`` keeps the shards in CPU memory between uses.
 
 Checkpoints are sharded (``torch.distributed.checkpoint``): every rank writes its shards into one staged directory,
 rank 0 adds the trainer state and renames it into place, so a checkpoint is whole or not there, and a different
@@ -107,11 +109,6 @@ def describe(root: Optional[LossStep]) -> str:
     return f"sharded by FSDP2, 1/{dist.world_size()} of the weights on each " if root is not None else ""
 
 
-def sync_gradients(root: LossStep, last: bool) -> None:
-    """Reduce-scatter the gradients only in the backward of a step's last micro-batch."""
-    root.set_requires_gradient_sync(last)
-
-
 def local_value(x) -> float:
     """A float of a tensor that may be a DTensor (the gradient norm over sharded gradients)."""
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
@@ -140,7 +137,11 @@ def full_state_dict(root: LossStep) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k[len(FULL_KEY_PREFIX):]: v for k, v in full.items()}
+    # A tied weight (SmolLM2's output layer is its embedding) comes back once per name, as separate tensors that
+    # save_pretrained cannot recognise as one: keep the first name, as the unsharded model's save keeps it.
+    tied = ({n for n, _ in root.model.named_parameters(remove_duplicate=False)}
+            - {n for n, _ in root.model.named_parameters()})
+    return {k[len(FULL_KEY_PREFIX):]: v for k, v in full.items() if k[len(FULL_KEY_PREFIX):] not in tied}
 
 
 def save_pretrained(root: LossStep, path: Optional[Path]) -> None:
@@ -158,7 +159,7 @@ def _sharded_states(root: LossStep, optimizer) -> dict:
 
 
 def _staging_dir(final: Path) -> Path:
-    """Rank 0's temporary name for ``final``, the same on every rank (its pid marks it as a leftover of a dead run)."""
+    """Rank 0's temporary name for ``final``, the same on every rank (its pid marks a dead run's leftover)."""
     import torch.distributed as tdist
 
     name = [str(temporary_sibling(final))] if dist.is_main() else [None]

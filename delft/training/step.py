@@ -31,17 +31,13 @@ def micro_sums(model, batch: dict, loss):
     return forward_sums(model, batch, loss)
 
 
-def optimizer_step(model, batches: list[dict], loss, device: str, sync=None) -> dict:
+def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
     """Backward over the micro-batches, normalised by the whole optimizer batch's counts; returns the step's
-    loss, CE and term (``Loss.means``), its real tokens and digit labels. ``model``: as ``micro_sums`` takes it;
-    ``sync(last)``, when given, is told before each backward whether it is the step's last (a sharded run reduces
-    its gradients only then)."""
+    loss, CE and term (``Loss.means``), its real tokens and digit labels. ``model``: as ``micro_sums`` takes it."""
     counts = dist.all_reduce_counts(sum((loss.count(targets(b)) for b in batches), Counts(0, 0)))
     total = Sums(0.0, 0.0, Counts(0, 0))
-    for i, b in enumerate(batches):
+    for b in batches:
         sums = micro_sums(model, {k: v.to(device) for k, v in b.items()}, loss)
-        if sync is not None:
-            sync(i == len(batches) - 1)
         loss.combine(sums, counts).backward()
         total = total + sums.detach()
     tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batches)
