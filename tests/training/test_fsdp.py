@@ -47,7 +47,8 @@ def assert_same_log(a_dir: Path, b_dir: Path) -> None:
 
 def full_recipes(tmp_path: Path, model_dir: Path, **train) -> tuple[Path, Path, Path]:
     """(one process x 2 micro-batches, ddp; 2 ranks x 1, fsdp; 2 ranks x 1, ddp) of a full fine-tuning run."""
-    common = {"finetuning": "full", "max_steps": 4, "save_steps": 2, "eval_steps": 2, **train}
+    common = {"finetuning": "full", "max_steps": 4, "save_steps": 2, "eval_steps": 2, "accuracy_steps": 2,
+              "accuracy_examples": 4, "snapshot_steps": [2], "keep_best": True, **train}
     loss = {"type": "del_prob", "weight": 0.5}
     one = recipe_file(tmp_path, model_dir, name="one", loss=loss, train={**common, "grad_accum": 2})
     fsdp = recipe_file(tmp_path, model_dir, name="fsdp", loss=loss,
@@ -70,6 +71,16 @@ def test_fsdp_full_finetuning_on_two_ranks_equals_one_process_and_ddp(tmp_path, 
     assert_same_weights(model_weights(tmp_path / "fsdp"), model_weights(tmp_path / "one"), start_weights)
     assert_same_weights(model_weights(tmp_path / "fsdp"), model_weights(tmp_path / "ddp"))
     assert_same_log(tmp_path / "fsdp", tmp_path / "one")
+    # held-out accuracy (every rank generates with the gathered weights), the snapshot and keep_best's choice
+    from delft.evaluation.metrics import EXACT_MATCH
+
+    heldout = [r for r in metrics(tmp_path / "fsdp") if EXACT_MATCH.heldout in r]
+    assert [r["step"] for r in heldout] == [2, 4]
+    assert heldout == [r for r in metrics(tmp_path / "one") if EXACT_MATCH.heldout in r]
+    assert_same_weights(model_weights(tmp_path / "fsdp" / "snapshots" / "step-000002"),
+                        model_weights(tmp_path / "one" / "snapshots" / "step-000002"), start_weights)
+    best, best_one = read_info(tmp_path / "fsdp")["best"], read_info(tmp_path / "one")["best"]
+    assert best["step"] == best_one["step"] and best["value"] == pytest.approx(best_one["value"], rel=1e-6)
     assert read_info(tmp_path / "fsdp")["world_size"] == 2 and out.count("done model") == 1
     assert "on 2 processes sharded by FSDP2, 1/2 of the weights on each" in out
     from transformers import AutoModelForCausalLM  # an ordinary directory: from_pretrained loads it
