@@ -103,17 +103,18 @@ class Trainer:
         """The loop's part of opening the run directory: the pissa/olora init kept, the checkpoint loaded with the
         CE paths the earlier run took, the loggers of train.report_to started. Rank 0 alone writes; the other ranks
         only load the checkpoint."""
-        if self.root is not None and ckpt is not None:
+        if self.root is not None and ckpt is not None:  # sharded: every rank loads its shards together
             self.step = self.load_sharded(ckpt)
-        elif not dist.is_main():
-            self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler) if ckpt else 0
         if not dist.is_main():
+            if self.root is None and ckpt is not None:
+                self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
             return
         if self.initial_adapter is not None:  # before a checkpoint loads: the init is rebuilt the same way
             with staged(self.initial_adapter) as tmp:
                 save_initial_adapter(self.model, tmp)
-        if ckpt is not None and self.root is None:
-            self.step = self.resume_from(ckpt)
+        if ckpt is not None:
+            if self.root is None:
+                self.step = self.resume_from(ckpt)
             earlier = rundir.read_info(self.run.dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
         if self.recipe.train.report_to:

@@ -34,7 +34,7 @@ from torch import nn
 
 from delft import rundir
 from delft.errors import UserError
-from delft.models.loading import plain_model
+from delft.models.loading import MUTATING_INITS, plain_model
 from delft.outputs import follow_umask, publish, temporary_sibling
 from delft.training import distributed as dist
 from delft.training.step import forward_sums
@@ -69,6 +69,10 @@ def check_launch(recipe, device: str) -> None:
     if recipe.train.cpu_offload and device != "cuda":
         raise UserError("train.cpu_offload keeps FSDP's shards in CPU memory to spare a GPU's, and this run trains "
                         "on the CPU already", "train.cpu_offload", "Drop train.cpu_offload (or set it to false).")
+    if recipe.train.finetuning == "lora" and not recipe.model.adapter and recipe.lora.init in MUTATING_INITS:
+        raise UserError(f"lora.init {recipe.lora.init} changes the base weights and converts the adapter against "
+                        "them at the end, which delft does on whole weights, not on FSDP's shards", "lora.init",
+                        "Use lora.init: default (or gaussian) with train.distributed fsdp, or train it with ddp.")
     if recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         raise UserError(f"train.optimizer {recipe.train.optimizer} is bitsandbytes' optimizer, which cannot step "
                         "FSDP's sharded weights (DTensors)", "train.optimizer",

@@ -111,6 +111,9 @@ def test_fsdp_lora_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "two")
+    exported = run_cli("export", str(tmp_path / "two"), "--out", str(tmp_path / "merged"))  # and delft export
+    assert exported.exit_code == 0, exported.output
+    assert (tmp_path / "merged" / "config.json").is_file()
 
 
 def killed_sharded_run(tmp_path: Path, model_dir: Path, name: str, train: dict) -> Path:
@@ -199,7 +202,7 @@ def test_what_fsdp_cannot_do_is_refused_in_the_recipe(tmp_path, tiny_model_dir, 
     assert r.exit_code == 2 and needle in " ".join(r.output.split())
 
 
-def test_cpu_offload_on_the_cpu_and_8bit_optimizers_are_refused(tmp_path, tiny_model_dir, monkeypatch):
+def test_cpu_offload_on_the_cpu_8bit_optimizers_and_pissa_are_refused(tmp_path, tiny_model_dir, monkeypatch):
     from delft.errors import UserError
     from delft.recipe.files import load_recipe
     from delft.training.sharding import check_launch
@@ -213,6 +216,10 @@ def test_cpu_offload_on_the_cpu_and_8bit_optimizers_are_refused(tmp_path, tiny_m
                                     train={"distributed": "fsdp", "optimizer": "adamw_8bit"}))
     with pytest.raises(UserError, match="cannot step FSDP's sharded weights"):
         check_launch(eight, "cuda")
+    pissa = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="c", train={"distributed": "fsdp"},
+                                    lora={"init": "pissa"}))
+    with pytest.raises(UserError, match="not on FSDP's shards"):
+        check_launch(pissa, "cpu")
 
 
 def test_nccl_asked_for_on_the_cpu_is_refused(monkeypatch):
