@@ -79,7 +79,7 @@ def _overhead_rows(est: dict) -> list:
 def _fsdp_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tuple[str, int, str]]:
     """The table's rows under train.distributed fsdp (``plan_fsdp``'s components), per rank."""
     t, n = recipe.train, est["world_size"]
-    dt = "fp32" if dtype_bytes(recipe.model.dtype) == 4 else "bf16"
+    dt = "bf16"  # FSDP's compute dtype on CUDA (MixedPrecisionPolicy), whatever model.dtype says
     full = t.finetuning == "full"
     where = "in CPU memory (train.cpu_offload), not on the GPU: " if t.cpu_offload else ""
     on_gpu = 0 if t.cpu_offload else 1
@@ -91,7 +91,7 @@ def _fsdp_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tup
     off = " (not at the peak)"
     return [
         ("weights, sharded", est["sharded_weights"] * on_gpu, where + (
-            f"fp32 master weights / {n} ranks" if full else f"frozen base in {dt} / {n} ranks")
+            f"fp32 master weights / {n} ranks" if full else f"frozen base in fp32 / {n} ranks")
          + (f" ({est['sharded_weights'] / GiB:.2f} GiB)" if t.cpu_offload else "")),
         ("gradients + optimizer, sharded" if full else "LoRA + optimizer, sharded", est["sharded_trained"] * on_gpu,
          where + ("fp32 gradients, " if full else f"r={recipe.lora.r}: fp32 weights, gradients, ")

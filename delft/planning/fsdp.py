@@ -41,14 +41,14 @@ from delft.planning.memory import (
     CUDA_CONTEXT,
     LORA_BYTES,
     NCCL_BUFFERS,
-    layer_bytes,
-    loss_bytes,
-    state_bytes,
     dtype_bytes,
+    layer_bytes,
     lora_parameters,
+    loss_bytes,
     per_gpu,
     plan_memory,
     saved_parameters,
+    state_bytes,
 )
 from delft.planning.shapes import model_shape, parameter_counts
 from delft.recipe.schema import validate_recipe
