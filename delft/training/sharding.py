@@ -37,6 +37,7 @@ from delft.errors import UserError
 from delft.models.loading import MUTATING_INITS, plain_model
 from delft.outputs import follow_umask, publish, temporary_sibling
 from delft.training import distributed as dist
+from delft.training.checkpoints import check_free_space
 from delft.training.step import forward_sums
 
 SHARDED_MARK = "sharded.json"  # in a sharded checkpoint: the world size that wrote it (DCP's files beside it)
@@ -162,6 +163,16 @@ def _sharded_states(root: LossStep, optimizer) -> dict:
     return {"model": get_model_state_dict(root), "optimizer": get_optimizer_state_dict(root, optimizer)}
 
 
+def _local_bytes(root: LossStep, optimizer) -> int:
+    """This rank's shards of the weights and of the optimizer's states: its part of a checkpoint."""
+    def size(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return sum(size(p) for p in root.parameters()) + sum(size(v) for v in states)
+
+
 def _staging_dir(final: Path) -> Path:
     """Rank 0's temporary name for ``final``, the same on every rank (its pid marks a dead run's leftover)."""
     import torch.distributed as tdist
@@ -177,9 +188,12 @@ def save_checkpoint(run_dir: Path, root: LossStep, optimizer, trainer_state: dic
     import torch.distributed.checkpoint as dcp
 
     final = rundir.checkpoint_path(run_dir, trainer_state["step"])
+    # every rank checks the whole checkpoint's size against the shared disk, so all refuse together, none hangs
+    need = dist.all_reduce_floats([float(_local_bytes(root, optimizer))])[0]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(final.parent, int(need) + 2**20, "checkpoint")
     tmp = _staging_dir(final)
     if dist.is_main():
-        final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier("the checkpoint's directory")
