@@ -22,9 +22,9 @@ from delft.data.sources import normalised_prompt
 from delft.errors import UserError
 from delft.evaluation.metrics import EXACT_MATCH
 from delft.outputs import pct
-from delft.recipe.files import load_recipe
+from delft.recipe.files import load_recipe, trained_recipe
 from delft.recipe.schema import GENERATED
-from delft.rundir import CHECKPOINTS, RECIPE, SNAPSHOTS
+from delft.rundir import RECIPE
 
 SEEN_LIMIT = 0.5  # a set with more than this share of one model's training problems is refused (--allow-seen)
 
@@ -54,20 +54,12 @@ def _identity(data_cfg) -> str:
     return json.dumps(key, sort_keys=True)
 
 
-def _recipe_file(model: Path) -> Optional[Path]:
-    """A run's recipe.yaml; a snapshot's or checkpoint's is its run's."""
-    for run in (model, model.parent.parent if model.parent.name in (SNAPSHOTS, CHECKPOINTS) else None):
-        if run is not None and (run / RECIPE).is_file():
-            return run / RECIPE
-    return None
-
-
 def model_training(model: Optional[str]) -> tuple[Optional[frozenset[str]], str]:
     """(the normalised prompts ``model`` trained on, why they are unknown when None): none for the base model
     (``model`` None), a run's from its recipe.yaml."""
     if model is None:
         return frozenset(), ""
-    recipe = _recipe_file(Path(model))
+    recipe = trained_recipe(Path(model))
     if recipe is None:
         return None, f"no {RECIPE} beside it says what it trained on"
     try:

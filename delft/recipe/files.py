@@ -10,7 +10,7 @@ import yaml
 
 from delft.errors import UserError
 from delft.recipe.schema import DataConfig, NumbersConfig, Recipe, validate_recipe
-from delft.rundir import RECIPE
+from delft.rundir import CHECKPOINTS, RECIPE, SNAPSHOTS
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -105,11 +105,21 @@ def dump_recipe(recipe: Recipe) -> str:
 LEGACY_SEPARATOR = "\n"
 
 
+def trained_recipe(model_dir: str | Path) -> Optional[Path]:
+    """The recipe.yaml that says how the model in ``model_dir`` was trained: a run's own, or for a snapshot or a
+    checkpoint (RUN/snapshots/step-N, RUN/checkpoints/step-N: the model alone) its run's; None where there is none."""
+    model = Path(model_dir)
+    for run in (model, model.parent.parent if model.parent.name in (SNAPSHOTS, CHECKPOINTS) else None):
+        if run is not None and (run / RECIPE).is_file():
+            return run / RECIPE
+    return None
+
+
 def predates_separator(run_dir: str | Path) -> bool:
     """Whether the run directory's recipe.yaml was written before data.separator existed. False without a readable
     one (a merged model, a GGUF file, an adapter delft did not train): nothing says how those prompted."""
-    path = Path(run_dir) / RECIPE
-    if not path.is_file():
+    path = trained_recipe(run_dir)
+    if path is None:
         return False
     try:
         data = read_yaml(path).get("data")
@@ -119,13 +129,14 @@ def predates_separator(run_dir: str | Path) -> bool:
 
 
 def trained_numbers(run_dir: str | Path | None) -> Optional[NumbersConfig]:
-    """How the model in ``run_dir`` writes numbers: its recipe.yaml's data.numbers (natural in one written before
-    the key existed), natural for the base model (None, which never saw another form); None where no readable
-    recipe.yaml says (a merged model, a GGUF file, an adapter delft did not train)."""
+    """How the model in ``run_dir`` writes numbers: its (a snapshot: its run's, ``trained_recipe``) recipe.yaml's
+    data.numbers (natural in one written before the key existed), natural for the base model (None, which never
+    saw another form); None where no readable recipe.yaml says (a merged model, a GGUF file, an adapter delft did
+    not train)."""
     if run_dir is None:
         return NumbersConfig()
-    path = Path(run_dir) / RECIPE
-    if not path.is_file():
+    path = trained_recipe(run_dir)
+    if path is None:
         return None
     try:
         data = read_yaml(path).get("data")

@@ -129,3 +129,20 @@ def test_eval_draws_a_generated_set_without_the_recipes_and_runs_training_proble
     asked = [p["prompt"].removeprefix("<|user|>").split("</s>")[0] for p in report["models"][0]["predictions"]]
     assert len(asked) == 30 and not [q for q in asked if normalised_prompt(q) in training], asked
     assert report["models"][1]["contamination"]["seen_in_training"] == 0
+
+
+def test_a_snapshot_is_read_back_in_its_runs_number_form(tmp_path):
+    """A snapshot keeps only the model; how it writes numbers is its run's recipe.yaml's data.numbers (a study's
+    curve evaluates snapshots of reversed runs: read naturally, every reversed answer would score wrong)."""
+    from delft.recipe.files import dump_recipe, trained_numbers, trained_recipe
+    from delft.recipe.schema import validate_recipe
+    from delft.rundir import RECIPE, snapshot_path
+
+    run = tmp_path / "run"
+    snap = snapshot_path(run, 250)
+    snap.mkdir(parents=True)
+    (run / RECIPE).write_text(dump_recipe(validate_recipe({"data": {"numbers": {"order": "reversed"}}})))
+    assert trained_recipe(snap) == run / RECIPE and trained_recipe(run) == run / RECIPE
+    assert trained_numbers(snap).order == "reversed"
+    assert trained_recipe(tmp_path / "elsewhere" / "snapshots" / "step-000250") is None
+    assert trained_numbers(tmp_path / "merged") is None  # nothing says: the eval's own form is used
