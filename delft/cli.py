@@ -229,6 +229,11 @@ def inspect_(
         raise UserError(f"unexpected arguments {runs}", fix="Use --adapter RUN, or --compare RUN_A RUN_B \"prompt\".")
     if compare and not runs:
         raise UserError("--compare needs run directories before the prompt", fix='e.g. --compare runs/ce runs/del "What is 17 * 23?"')
+    if compare and adapter:  # one would be dropped or the two silently combined: neither is what was asked
+        raise UserError(f"--adapter {adapter} and --compare do not go together: --adapter inspects one run, "
+                        "--compare sets the runs named before the prompt side by side", "delft inspect",
+                        f"Use --adapter {adapter} \"prompt\" for that run alone, or --compare {adapter} "
+                        f"{' '.join(runs)} \"prompt\" to compare them (name base among them for the base model).")
     adapters = runs if compare else ([adapter] if adapter else [])
     run_inspect(recipe_path=recipe, prompt=prompt, model=model, adapters=adapters, target=target,
                 max_new_tokens=max_new_tokens, json_out=json_out, plot=plot, overrides=set_, console=console)

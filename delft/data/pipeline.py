@@ -44,15 +44,47 @@ class DataStats:
     digit_labels: int = 0
     truncated: int = 0
     fully_masked: int = 0
+    empty: int = 0  # examples with nothing to learn but the end-of-sequence token (empty_example)
     notes: list[str] = field(default_factory=list)
 
 
-def build_datasets(cfg, tokenizer, seed: int, digit_ids: Optional[set] = None, where: str = "data"):
-    """Tokenize every example, drop (and count) ones with no trainable label, split off validation."""
+def _blank(text) -> bool:
+    if isinstance(text, list):  # chat messages
+        return all(_blank(m.get("content", "")) for m in text)
+    return not str(text).strip()
+
+
+def empty_example(ex: Example, cfg) -> bool:
+    """Whether training on ``ex`` would learn the end-of-sequence token alone: an empty (or blank) completion,
+    unless data.train_on_prompt trains on a prompt that has text."""
+    return _blank(ex.completion) and (not cfg.train_on_prompt or _blank(ex.prompt))
+
+
+def check_not_all_empty(examples: list[Example], cfg, where: str = "data") -> None:
+    """Refuse data whose every example is empty (empty_example): it would train on the end-of-sequence token alone
+    and report 0 digit labels, saying nothing else. ``delft recipe check`` calls it too."""
+    if examples and all(empty_example(ex, cfg) for ex in examples):
+        both = all(_blank(ex.prompt) for ex in examples)
+        what = "prompt and completion are" if both else "completion is"
+        raise UserError(f"every one of the {len(examples)} examples of {cfg.source} has nothing to learn: its {what} "
+                        "empty, so training would learn the end-of-sequence token alone", f"{where}.source",
+                        "Check that data.format matches the file's fields (a prompt_completion file needs a "
+                        "non-empty completion in each row), or point data.source at the right file.")
+
+
+def build_datasets(cfg, tokenizer, seed: int, digit_ids: Optional[set] = None, where: str = "data",
+                   completions: bool = True):
+    """Tokenize every example, drop (and count) empty ones (empty_example; only where the completions are what is
+    learned, not under GRPO, which learns from rewards) and ones with no trainable label, split off validation."""
     examples = load_examples(cfg, where)
+    if completions:
+        check_not_all_empty(examples, cfg, where)
     stats = DataStats(examples=len(examples))
     items = []
     for ex in examples:
+        if completions and empty_example(ex, cfg):
+            stats.empty += 1
+            continue
         tok = tokenize_example(ex, tokenizer, cfg)
         stats.truncated += tok.truncated
         n_labels = sum(1 for t in tok.labels if t != IGNORE)

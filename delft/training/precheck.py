@@ -10,11 +10,13 @@ the cores, and one thread a process is then often many times faster.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 
 from delft.data.sources import is_data_file
-from delft.data.pipeline import load_examples
+from delft.data.pipeline import check_not_all_empty, load_examples
 from delft.errors import UserError
+from delft.models.context import check_max_length
 from delft.models.loading import resolve_device
 from delft.recipe.schema import GENERATED
 from delft.training.setup import CUDA_OPTIMIZERS
@@ -30,8 +32,14 @@ def check_before_loading(recipe) -> None:
             raise UserError(f"train.optimizer {t.optimizer} is bitsandbytes' CUDA optimizer; this run is on the CPU",
                             "train.optimizer", "Use train.optimizer: adamw (or sgd) on the CPU.")
     check_backends(t.report_to)
+    folder = Path(recipe.model.name).expanduser()
+    if recipe.model.init != "scratch" and folder.is_dir():  # a hub model's config is read once it is here (setup)
+        check_max_length(recipe.data.max_length, folder, recipe.model.name)
     if local_data_file(recipe.data.source, recipe.data.format):
-        load_examples(recipe.data)  # an empty, unreadable or malformed file is refused by name and row
+        # an empty, unreadable or malformed file is refused by name and row, a file of empty completions too
+        examples = load_examples(recipe.data)
+        if t.stage == "sft":
+            check_not_all_empty(examples, recipe.data)
 
 
 def local_data_file(source: str, fmt: str) -> bool:

@@ -5,6 +5,7 @@ the datasets, the model (with its LoRA adapter, or every weight trainable) and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 
@@ -12,6 +13,7 @@ from delft.data.pipeline import build_datasets
 from delft.errors import UserError
 from delft.losses.loss import Loss
 from delft.losses.registry import FUSED_CE, GLOBAL
+from delft.models.context import check_max_length
 from delft.models.loading import (
     apply_liger_layers,
     apply_lora,
@@ -50,6 +52,8 @@ def setup(recipe: Recipe) -> Setup:
     if recipe.train.distributed == "fsdp" and quant == "nf4":  # auto: FSDP shards plain weights, never nf4
         quant = "none"
     ref = recipe_model_ref(recipe)
+    if recipe.model.init != "scratch" and ref.is_local:  # a hub model is here now: its config.json, before weights
+        check_max_length(recipe.data.max_length, Path(ref.path), recipe.model.name)
     tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
     if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
         vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
@@ -60,7 +64,7 @@ def setup(recipe: Recipe) -> Setup:
             vocab = None  # CE needs no digit tokens; counts are just not reported
     loss = Loss.from_recipe(recipe, vocab, device, dist.world_size())
     train, val, stats = build_datasets(recipe.data, tokenizer, recipe.train.seed,
-                                       set(vocab.ids) if vocab else None)
+                                       set(vocab.ids) if vocab else None, completions=recipe.train.stage == "sft")
     return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)
 
 
@@ -151,6 +155,9 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
                   f"({st.digit_labels / max(1, st.label_tokens):.0%})")
     if st.truncated:
         console.print(f"  [yellow]{st.truncated} examples were truncated to data.max_length={s.recipe.data.max_length}[/]")
+    if st.empty:
+        console.print(f"  [yellow]{st.empty} examples had an empty completion (only the end-of-sequence token to "
+                      "learn) and were dropped[/]")
     if st.fully_masked:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss

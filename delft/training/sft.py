@@ -21,6 +21,7 @@ from delft import rundir
 from delft.data.batches import collate, collate_packed
 from delft.errors import UserError
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
+from delft.models.context import check_model_max_length
 from delft.models.loading import MUTATING_INITS, resolve_device, save_initial_adapter
 from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 from delft.recipe.schema import Recipe
@@ -41,7 +42,7 @@ from delft.training.loggers import Reporters, check_backends
 from delft.training.neftune import add_neftune
 from delft.training.report import peak_memory_gb
 from delft.training.run import Run
-from delft.training.schedule import make_schedule, micro_batch_items
+from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
 from delft.training.step import evaluate_loss, optimizer_step
 
@@ -54,7 +55,10 @@ def load(recipe: Recipe, run: Run) -> "Trainer":
     if recipe.train.distributed == "fsdp":
         sharding.check_launch(recipe, resolve_device(recipe.model.device))
     s = setup(recipe)
+    check_snapshot_steps(recipe, make_schedule(recipe, len(s.train), dist.world_size()).total_steps)
     model, dtype, kernels = build_model(s, run.console)
+    if not s.model_ref.is_local:  # a local config.json was read before loading (delft.training.setup)
+        check_model_max_length(recipe.data.max_length, model, recipe.model.name)
     describe(s, model, dtype, run.console)
     return Trainer(s, model, dtype, kernels, run)
 
