@@ -22,10 +22,13 @@ match, digit match (the share of digits right, aligned by place) and the length 
 
 from __future__ import annotations
 
+import math
 import random
+import re
+from collections import Counter
 from dataclasses import dataclass
 from decimal import ROUND_HALF_DOWN, ROUND_HALF_UP, Decimal
-from typing import Callable, Collection, Iterable, Optional, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Optional, Sequence
 
 from delft.errors import UserError
 from delft.numbers.answers import canonical, parse_number
@@ -40,8 +43,13 @@ MAX_LENGTH = 20
 LENGTHS = tuple(range(1, MAX_LENGTH + 1))
 
 
-# Attempts a bin may spend per problem before it is called exhausted (a short bin, or one the exclusions empty).
-_ATTEMPTS_PER_PROBLEM, _ATTEMPTS_SPARE = 30, 300
+# Attempts a bin may spend per problem before it is called exhausted; a bin up to _COLLECTED_BIN problems may
+# also spend what collecting all of it takes (bins are checked against their sizes before anything is drawn).
+_ATTEMPTS_PER_PROBLEM, _ATTEMPTS_SPARE, _COLLECTED_BIN = 30, 300, 100_000
+
+
+# The most problems per bin: a draw holds per_bin x bins problems in memory (up to 260 bins), made one by one.
+MAX_PER_BIN = 10_000
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,42 @@ def task_lengths(task: str, lengths: Iterable[int] = LENGTHS) -> list[int]:
     return [n for n in lengths if low <= n <= MAX_LENGTH]
 
 
+def _operands(kind: str, length: int) -> int:
+    """How many operands of ``length`` digits a kind has (as ``_operand`` writes them)."""
+    if kind == "integer":
+        return 10 if length == 1 else 9 * 10 ** (length - 1)
+    whole, fraction = (length + 1) // 2, length // 2
+    return _operands("integer", whole) * 10 ** (fraction - 1) * 9  # the last fraction digit is not 0
+
+
+def _ties(kind: str, length: int) -> int:
+    """How many (number, rounding place) pairs of a bin are exact ties, which ``round`` never draws."""
+    if kind == "integer":
+        # the last k digits 50..0 and L - k free leading digits, the first not 0 (a one-digit 5 ties at 10)
+        return 1 if length == 1 else sum(9 * 10 ** (length - k - 1) for k in range(1, length))
+    whole, fraction = (length + 1) // 2, length // 2
+    return _operands("integer", whole) * 10 ** (fraction - 1)  # the last place kept, the dropped digit a lone 5
+
+
+def bin_size(task: str, length: int) -> int:
+    """How many distinct problems (prompts) the bin of ``task`` at ``length`` digits holds: what a draw can give
+    at most, worked out from how the bin's problems are made rather than by drawing them."""
+    kind, name = task.split("/")
+    n = _operands(kind, length)
+    if name in ("add", "multiply"):
+        return n * n
+    if name == "subtract":
+        return n * (n + 1) // 2  # the larger operand first, equal ones once
+    if name == "max":
+        return n * (n - 1)
+    if name == "digit":
+        return n * length  # every operand has exactly ``length`` digit places
+    if name == "length":
+        return n
+    places = max(1, length - 1) if kind == "integer" else length // 2
+    return n * places - _ties(kind, length)
+
+
 def _check(tasks: Sequence[str], lengths: Iterable[int], per_bin: int) -> None:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -150,8 +194,125 @@ def _check(tasks: Sequence[str], lengths: Iterable[int], per_bin: int) -> None:
     if bad:
         raise UserError(f"length bins {bad} are outside 1..{MAX_LENGTH}", "number tasks",
                         f"Use lengths from 1 to {MAX_LENGTH} digits.")
-    if per_bin < 1:
-        raise UserError(f"{per_bin} problems per bin were asked for", "number tasks", "Ask for at least 1.")
+    if not 1 <= per_bin <= MAX_PER_BIN:
+        raise UserError(f"{per_bin} problems per bin were asked for", "number tasks",
+                        f"Ask for 1 to {MAX_PER_BIN:,} per bin.")
+
+
+def short_bins(per_bin: int, tasks: Sequence[str], lengths: Iterable[int],
+               taken: Optional[Mapping[tuple[str, int], int]] = None) -> list[str]:
+    """The bins of a draw that cannot give ``per_bin`` distinct problems once the ``taken`` count of each bin's
+    problems (excluded ones) is set aside, each described with its size; worked out, nothing drawn."""
+    taken = taken or {}
+    out = []
+    for task in tasks:
+        for n in task_lengths(task, lengths):
+            size, gone = bin_size(task, n), taken.get((task, n), 0)
+            if per_bin > size - gone:
+                held = f"{size:,} distinct problems" + (f", {gone:,} of them excluded" if gone else "")
+                out.append(f"{task} at length {n} ({held})")
+    return out
+
+
+def refuse_short_bins(short: Sequence[str], per_bin: int, where: str = "number tasks") -> None:
+    """The UserError for ``short_bins``' answer, if it named any."""
+    if short:
+        listed = "; ".join(short[:4]) + (f"; and {len(short) - 4} more" if len(short) > 4 else "")
+        raise UserError(f"{per_bin:,} problems per bin were asked for, and some bins hold fewer distinct problems: "
+                        f"{listed}. Short numbers have few problems, and an eval draw leaves out the training "
+                        "problems (nothing was drawn)",
+                        where, "Ask for fewer problems per bin (per_bin), or leave the shortest lengths out "
+                        "(min_length: 2 or more).")
+
+
+def bin_counts(problems: Iterable[Problem]) -> dict[tuple[str, int], int]:
+    """How many of ``problems`` each (task, length) bin holds."""
+    return dict(Counter((p.task, p.length) for p in problems))
+
+
+def drawn_counts(per_bin: int, tasks: Sequence[str], lengths: Iterable[int],
+                 limit: Optional[int] = None) -> dict[tuple[str, int], int]:
+    """How many problems each bin gives to ``draw(per_bin, ..., tasks, lengths)[:limit]`` (bins in draw order)."""
+    lengths, left, out = list(lengths), limit if limit is not None else float("inf"), {}
+    for task in tasks:
+        for n in task_lengths(task, lengths):
+            out[(task, n)] = int(min(per_bin, left))
+            left -= out[(task, n)]
+    return out
+
+
+_NUMBER = r"(0|[1-9]\d*)(?:\.(\d*[1-9]))?"
+_PROMPTS = {name: re.compile(pattern) for name, pattern in {
+    "arithmetic": rf"What is {_NUMBER} ([-+*]) {_NUMBER}\?",
+    "max": rf"Which is larger, {_NUMBER} or {_NUMBER}\?",
+    "digit": rf"What is the digit in the (\S+) place of {_NUMBER}\?",
+    "length": rf"How many digits does {_NUMBER} have\?",
+    "round": rf"Round {_NUMBER} to (?:the nearest multiple of (10+)|(\d+) decimal places)\.",
+}.items()}
+_SYMBOLS = {"+": "add", "-": "subtract", "*": "multiply"}
+
+
+def _shape(whole: str, fraction: Optional[str]) -> Optional[tuple[str, int]]:
+    """(kind, length) of an operand as ``_operand`` writes it, or None where it writes no such number."""
+    if fraction is None:
+        return "integer", len(whole)
+    length = len(whole) + len(fraction)
+    ok = len(whole) == (length + 1) // 2 and len(fraction) == length // 2
+    return ("decimal", length) if ok else None
+
+
+def _bin_of(prompt: str) -> Optional[tuple[str, int]]:
+    """The (task, length) bin whose generator writes ``prompt``, or None where no bin does."""
+    for name, pattern in _PROMPTS.items():
+        m = pattern.fullmatch(prompt)
+        if m:
+            return _matched_bin(name, m.groups())
+    return None
+
+
+def _matched_bin(name: str, g: tuple) -> Optional[tuple[str, int]]:
+    shape = _shape(g[0], g[1]) if name != "digit" else _shape(g[1], g[2])
+    if shape is None:
+        return None
+    kind, length = shape
+    number = g[0] + (f".{g[1]}" if g[1] else "")
+    if name in ("arithmetic", "max"):
+        other = g[3:5] if name == "arithmetic" else g[2:4]
+        second = other[0] + (f".{other[1]}" if other[1] else "")
+        if _shape(*other) != shape:
+            return None
+        if name == "max":
+            return (f"{kind}/max", length) if Decimal(number) != Decimal(second) else None
+        task = _SYMBOLS[g[2]]
+        ok = task != "subtract" or Decimal(number) >= Decimal(second)
+        return (f"{kind}/{task}", length) if ok else None
+    if name == "digit":
+        places = {place_name(p) for p in digits_by_place(g[1] + (f".{g[2]}" if g[2] else ""))}
+        return (f"{kind}/digit", length) if g[0] in places else None
+    if name == "length":
+        return ("integer/length", length) if kind == "integer" else None
+    return _round_bin(kind, length, number, g[2], g[3])
+
+
+def _round_bin(kind: str, length: int, number: str, power: Optional[str],
+               places: Optional[str]) -> Optional[tuple[str, int]]:
+    if kind == "integer":
+        if power is None or not 1 <= len(power) - 1 <= max(1, length - 1):
+            return None
+        step = Decimal(power)
+    else:
+        if places is None or str(int(places)) != places or not 0 <= int(places) < length // 2:
+            return None
+        step = Decimal(10) ** -int(places)
+    with exact_context():
+        up = (Decimal(number) / step).quantize(Decimal(1), rounding=ROUND_HALF_UP)
+        down = (Decimal(number) / step).quantize(Decimal(1), rounding=ROUND_HALF_DOWN)
+    return (f"{kind}/round", length) if up == down else None
+
+
+def excluded_counts(exclude: Collection[str]) -> dict[tuple[str, int], int]:
+    """How many of the prompts in ``exclude`` each bin's generator writes (the rest are no bin's)."""
+    return dict(Counter(b for b in map(_bin_of, exclude) if b is not None))
 
 
 def _bin(task: str, length: int, per_bin: int, seed: int | str, exclude: Collection[str]) -> list[Problem]:
@@ -159,7 +320,7 @@ def _bin(task: str, length: int, per_bin: int, seed: int | str, exclude: Collect
     rng = random.Random(f"{seed}/{task}/{length}")
     out: list[Problem] = []
     seen: set[str] = set()
-    for _ in range(per_bin * _ATTEMPTS_PER_PROBLEM + _ATTEMPTS_SPARE):
+    for _ in range(_attempts(per_bin, bin_size(task, length))):
         made = _MAKERS[name](rng, kind, length)
         if made is None or made[0] in seen or made[0] in exclude:
             continue
@@ -168,8 +329,15 @@ def _bin(task: str, length: int, per_bin: int, seed: int | str, exclude: Collect
         if len(out) == per_bin:
             return out
     raise UserError(f"{task} at length {length} gave only {len(out)} distinct problems of the {per_bin} asked for"
-                    " (short numbers have few problems, and excluded prompts remove more)", "number tasks",
+                    " (it holds enough, but drawing at random found no more within its attempts)", "number tasks",
                     "Ask for fewer problems per bin, or leave the shortest lengths out.")
+
+
+def _attempts(per_bin: int, size: int) -> int:
+    """Draws a bin may spend: enough per problem, and in a small bin enough to collect nearly all of it (a draw
+    that takes most of a bin, or what the exclusions leave of it, finds its last problems rarely)."""
+    collect = 3 * size * (math.log(size) + 1) if size <= _COLLECTED_BIN else 0
+    return per_bin * _ATTEMPTS_PER_PROBLEM + _ATTEMPTS_SPARE + int(collect)
 
 
 def draw(per_bin: int, seed: int | str, tasks: Sequence[str] = TASKS, lengths: Iterable[int] = LENGTHS,
@@ -178,6 +346,7 @@ def draw(per_bin: int, seed: int | str, tasks: Sequence[str] = TASKS, lengths: I
     prompts is in ``exclude``; the same arguments give the same problems."""
     lengths = list(lengths)
     _check(tasks, lengths, per_bin)
+    refuse_short_bins(short_bins(per_bin, tasks, lengths, excluded_counts(exclude)), per_bin)
     return [p for task in tasks for n in task_lengths(task, lengths) for p in _bin(task, n, per_bin, seed, exclude)]
 
 

@@ -14,7 +14,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from delft.data.number_tasks import MAX_LENGTH as NUPA_MAX_LENGTH
+from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
+from delft.data.number_tasks import drawn_counts, short_bins
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
@@ -246,11 +248,12 @@ class NupaConfig(Section):
 
     tasks: list[str] = Field(default_factory=lambda: list(NUPA_TASKS), min_length=1, description="Tasks, kind/task: "
                              + ", ".join(NUPA_TASKS) + " (default: all).")
-    min_length: int = Field(1, ge=1, le=NUPA_MAX_LENGTH, description="Shortest operand length bin, in digits.")
+    min_length: int = Field(2, ge=1, le=NUPA_MAX_LENGTH, description="Shortest operand length bin, in digits "
+                            "(one-digit bins hold few problems: integer/round 9, integer/length 10).")
     max_length: int = Field(10, ge=1, le=NUPA_MAX_LENGTH, description=f"Longest operand length bin (up to "
                             f"{NUPA_MAX_LENGTH} digits).")
-    per_bin: int = Field(10, gt=0, description="Problems per task and length bin (the shortest bins hold few: "
-                         "one-digit integer/length has 10).")
+    per_bin: int = Field(10, gt=0, le=NUPA_MAX_PER_BIN, description="Problems per task and length bin, each bin "
+                         "checked against how many distinct problems it holds (two-digit integer/length has 90).")
     seed: int = Field(0, ge=0, description="Generator seed (eval draws with another and skips training problems).")
 
     @field_validator("tasks")
@@ -265,7 +268,22 @@ class NupaConfig(Section):
     def _length_order(self):
         if self.min_length > self.max_length:
             raise ValueError(f"min_length ({self.min_length}) is larger than max_length ({self.max_length})")
+        short = short_bins(self.per_bin, self.tasks, self.lengths())
+        if short:
+            raise ValueError(f"per_bin {self.per_bin} is more than some bins hold: {nupa_bins_text(short)}; ask "
+                             "for fewer per bin, or leave the shortest lengths out (a larger min_length)")
         return self
+
+    def lengths(self) -> range:
+        return range(self.min_length, self.max_length + 1)
+
+    def drawn(self, limit: Optional[int] = None) -> dict[tuple[str, int], int]:
+        """How many problems each (task, length) bin gives to this draw's first ``limit`` problems."""
+        return drawn_counts(self.per_bin, self.tasks, self.lengths(), limit)
+
+
+def nupa_bins_text(short: list[str]) -> str:
+    return "; ".join(short[:4]) + (f"; and {len(short) - 4} more" if len(short) > 4 else "")
 
 
 class NumbersConfig(Section):
@@ -599,6 +617,21 @@ class Recipe(Section):
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")
+        return self
+
+    @model_validator(mode="after")
+    def _nupa_eval_draw(self):
+        """The eval set's benchmark bins must hold its problems besides the training draw's, which it leaves out
+        (train and eval refuse such a bin when they draw; this finds it from the bins' sizes, drawing nothing)."""
+        test, train = self.eval_data(), self.data
+        if test.source != "nupa" or train.source != "nupa":
+            return self
+        short = short_bins(test.nupa.per_bin, test.nupa.tasks, test.nupa.lengths(), train.nupa.drawn(train.limit))
+        if short:
+            key = "eval.data.nupa" if self.eval.data is not None else "data.nupa"
+            raise ValueError(f"{key}.per_bin {test.nupa.per_bin}: the eval set draws that many per bin without the "
+                             f"training problems, and some bins hold too few for both: {nupa_bins_text(short)}; ask "
+                             "for fewer per bin, or leave the shortest lengths out (a larger min_length)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,13 +5,16 @@ from training draws by content, and the three scores."""
 from __future__ import annotations
 
 import math
+import random
 import re
+import time
 from fractions import Fraction
 
 import pytest
 
 from delft.data.number_tasks import (
-    LENGTHS, TASKS, Problem, digit_match, draw, exact_match, length_difference, prompts, task_lengths,
+    _MAKERS, LENGTHS, MAX_PER_BIN, TASKS, Problem, _bin_of, bin_counts, bin_size, digit_match, draw, drawn_counts,
+    exact_match, excluded_counts, length_difference, prompts, task_lengths,
 )
 from delft.errors import UserError
 
@@ -123,10 +126,71 @@ def test_eval_draws_exclude_training_prompts():
         assert len(held_out) == len(train)
 
 
-def test_a_bin_the_exclusions_empty_is_refused():
+def test_a_bin_the_exclusions_empty_is_refused_before_drawing():
     train = draw(10, seed=1, tasks=["integer/length"], lengths=[1])  # "How many digits does 7 have?": 10 prompts
-    with pytest.raises(UserError, match="integer/length at length 1 gave only 0 distinct problems"):
+    with pytest.raises(UserError, match=r"integer/length at length 1 \(10 distinct problems, 10 of them excluded\)"):
         draw(1, seed=2, tasks=["integer/length"], lengths=[1], exclude=prompts(train))
+
+
+def _collected(task: str, length: int, attempts: int) -> set[str]:
+    """Every distinct prompt the bin's generator writes in ``attempts`` draws (a small bin: all of them)."""
+    kind, name = task.split("/")
+    rng = random.Random(f"collect/{task}/{length}")
+    made = (_MAKERS[name](rng, kind, length) for _ in range(attempts))
+    return {m[0] for m in made if m is not None}
+
+
+_SIZED = [(t, n) for t in TASKS for n in task_lengths(t, [1, 2])] + [
+    ("integer/round", 3), ("integer/round", 4), ("decimal/round", 3), ("decimal/round", 4)]
+
+
+@pytest.mark.parametrize("task,length", [pytest.param(t, n, marks=[pytest.mark.slow] if bin_size(t, n) > 3000 else [])
+                                         for t, n in _SIZED])
+def test_a_bins_size_is_every_problem_its_generator_writes(task, length):
+    size = bin_size(task, length)
+    # ~15 x size draws collect every problem of a bin this small (the coupon collector needs size x ln size)
+    found = _collected(task, length, 15 * size + 200)
+    assert len(found) == size
+    assert {_bin_of(p) for p in found} == {(task, length)}  # the classifier puts every prompt in its own bin
+
+
+def test_a_bin_of_every_problem_is_found_from_its_prompt_and_other_prompts_are_no_bins():
+    problems = draw(3, seed=5, lengths=range(2, 21)) + draw(3, seed=5, lengths=[1])
+    assert all(_bin_of(p.prompt) == (p.task, p.length) for p in problems)
+    not_drawn = ["What is 05 + 12?", "What is 12 + 345?", "What is 1 - 5?", "Which is larger, 3 or 3?",
+                 "Round 15 to the nearest multiple of 10.", "Round 0.5 to 0 decimal places.",  # ties
+                 "Round 0.15 to 1 decimal places.", "What is 1.20 + 3.45?", "How many digits does 7.5 have?",
+                 "What is the digit in the tens place of 7?", "Round 123 to the nearest multiple of 1000."]
+    assert [_bin_of(p) for p in not_drawn] == [None] * len(not_drawn)
+
+
+def test_an_impossible_bin_is_refused_from_its_size_without_drawing(monkeypatch):
+    assert len(draw(9, seed=0, tasks=["integer/round"], lengths=[1])) == 9  # a bin can be drawn whole
+    drawn = []
+    monkeypatch.setitem(_MAKERS, "round", lambda *a: drawn.append(a))  # counts draws; none may happen
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"integer/round at length 1 \(9 distinct problems\)"):
+        draw(MAX_PER_BIN, seed=0, tasks=["integer/round"], lengths=[1, 2])
+    assert drawn == [] and time.perf_counter() - start < 5  # the old draw spent minutes before refusing
+    with pytest.raises(UserError, match="10 problems per bin"):
+        draw(10, seed=0)  # every task at lengths 1..20: the one-digit round bin holds 9
+    with pytest.raises(UserError, match="Ask for 1 to 10,000"):
+        draw(MAX_PER_BIN + 1, seed=0, tasks=["integer/add"], lengths=[20])
+    assert drawn == []
+
+
+def test_a_draw_that_takes_most_of_what_the_exclusions_leave_still_draws():
+    train = draw(8000, seed=1, tasks=["decimal/add"], lengths=[2])  # of 8,100
+    rest = draw(100, seed=2, tasks=["decimal/add"], lengths=[2], exclude=prompts(train))
+    assert len(prompts(rest)) == 100 and not prompts(rest) & prompts(train)
+
+
+def test_drawn_counts_are_the_draws_own():
+    tasks, lengths = ["integer/add", "decimal/max"], range(1, 5)
+    problems = draw(7, seed=3, tasks=tasks, lengths=lengths)[:25]
+    assert drawn_counts(7, tasks, lengths, 25) == {**{b: 0 for b in drawn_counts(7, tasks, lengths)},
+                                                    **bin_counts(problems)}
+    assert excluded_counts(prompts(problems)) == bin_counts(problems)
 
 
 @pytest.mark.parametrize("kwargs,message", [
