@@ -23,7 +23,9 @@ an optional "%" which is dropped (45% -> 45, not 0.45). A trailing sentence "." 
 The minus sign ("-", or the Unicode minus) must touch the number ("-3", "-$3", "$-3") and must not follow a
 digit, letter or closing bracket: "5-3" holds 5 and 3, "- 3" is 3. A number glued to a letter in front ("x2",
 "H2O") is not a number; scientific notation ("1e5", "2.5E-3") is not read and the whole token is skipped.
-European decimal commas ("1,5") and mixed numbers ("1 1/2") are not supported.
+European decimal commas ("1,5") and mixed numbers ("1 1/2") are not supported. Digits of other scripts
+(Arabic-Indic "٤٢", full-width "４２") are read as their ASCII digits (delft.numbers.digits.ascii_digits), as the
+number formats and the losses read them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation, localcontext
 from typing import Iterable, Optional
 
-from delft.numbers.digits import digits_by_place, exact_context
+from delft.numbers.digits import ascii_digits, digits_by_place, exact_context
 
 RULES = ("####", "boxed", "boxed_latex", "answer_is", "last_number", "none")
 
@@ -139,7 +141,7 @@ def parse_number(text: Optional[str]) -> Optional[Decimal]:
     """
     if text is None:
         return None
-    s = str(text).strip().rstrip(".").strip()
+    s = ascii_digits(str(text)).strip().rstrip(".").strip()
     s = s.replace("\\$", "$").replace("\\%", "%").rstrip("%").strip()
     s = re.sub(r"\{,\}", ",", s)
     if not s:
@@ -263,7 +265,7 @@ def _answer_is(text: str) -> Optional[Extraction]:
 
 def extract_answer(text: str, stops: Iterable[str] = PLAIN_STOP_STRINGS) -> Extraction:
     """The numeric answer in a generated text, and the rule that found it (see the module docstring)."""
-    text = cut_at_stop(text or "", stops)
+    text = ascii_digits(cut_at_stop(text or "", stops))
     for rule in (_hash, _boxed, _answer_is):
         got = rule(text)
         if got is not None:

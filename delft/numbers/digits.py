@@ -17,10 +17,25 @@ group not followed by another digit: "1,000,000" and "$1,234.50" join; "3,4" in 
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from decimal import Decimal
 from typing import Optional, Sequence
 
 DIGITS = "0123456789"
+
+
+# Any decimal digit but ASCII's: Arabic-Indic, Devanagari, full-width, ... (what Python's \d reads besides 0-9).
+_OTHER_DIGIT = re.compile(r"(?![0-9])\d")
+
+
+def ascii_digits(text: str) -> str:
+    """``text`` with every Unicode decimal digit written as its ASCII digit ("٤٢" and "４２" -> "42"), one character
+    for one, so offsets stay. The answer scorer and the number formats read digits after it: one notion of a digit
+    for the scorer, the formats and the losses (which score ASCII digit tokens only)."""
+    if text.isascii():
+        return text
+    return _OTHER_DIGIT.sub(lambda m: str(unicodedata.decimal(m.group())), text)
 
 
 RUN_CHARS = DIGITS + "."
