@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -125,8 +126,10 @@ def _print_version(value: bool) -> None:
         from importlib import metadata
 
         from delft import DISTRIBUTION, __version__
+        from delft.models.loading import bitsandbytes_line
 
         console.print(f"{DISTRIBUTION} {__version__} (the delft command)", highlight=False)
+        console.print(bitsandbytes_line(), highlight=False)
         try:
             other = metadata.version("delft")
         except metadata.PackageNotFoundError:
@@ -158,11 +161,12 @@ def train(
                                        help="Allow more --nproc processes than GPUs (or CPU cores without GPUs)."),
     nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the run; start the same command on each "
                                "(docs/distributed.md#several-machines)."),
-    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's number, 0 to --nnodes - 1 (0 "
-                                  "writes the run directory)."),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of node 0, which every node can "
-                                    "reach (several nodes)."),
-    master_port: int = typer.Option(29500, "--master-port", min=1, max=65535, help="A free port on node 0."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="This machine's number, 0 to --nnodes "
+                                            "- 1 (0 writes the run directory; several nodes only)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address, which every node can "
+                                              "reach and node 0 listens on (several nodes only; default 127.0.0.1)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535,
+                                              help="A free port on node 0 (several nodes only; default 29500)."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
     from delft.training.command import train_command
@@ -401,8 +405,12 @@ def main() -> None:
         DEBUG = True
     try:
         app()
-    except SystemExit:  # the command ended on its own terms (a handled Ctrl-C or SIGTERM included): its exit code
+    except SystemExit as e:  # the command ended on its own terms (a handled Ctrl-C or SIGTERM included): its exit code
         signals.forget_handled_interrupt()
+        if e.code in (signals.exit_code(signal.SIGINT), signals.exit_code(signal.SIGTERM)):
+            from delft.training.distributed import report_stop
+
+            report_stop(e.code)  # a --nproc worker: its launcher ends the same way, without torchrun's traceback
         raise
 
 

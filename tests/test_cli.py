@@ -110,14 +110,16 @@ def test_a_refusal_keeps_its_brackets_through_rich(capsys):
 def test_version_prints_delft_version_without_torch():
     """`delft --version` answers at once: the version, exit 0, and neither torch nor transformers imported."""
     from delft import __version__
+    from delft.models.loading import bitsandbytes_line
 
     code = ("import sys; sys.argv = ['delft', '--version']\n"
             "try:\n    from delft.cli import main; main()\n"
             "finally:\n    print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.splitlines() == [f"delft-digits {__version__} (the delft command)", "[]"], out.stdout + out.stderr
-    assert run_cli("--version").output.strip() == f"delft-digits {__version__} (the delft command)"
+    lines = [f"delft-digits {__version__} (the delft command)", bitsandbytes_line()]  # the installed bitsandbytes
+    assert out.stdout.splitlines() == [*lines, "[]"], out.stdout + out.stderr
+    assert run_cli("--version").output.strip() == "\n".join(lines)
 
 
 def readme_commands() -> dict[str, str]:

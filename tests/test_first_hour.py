@@ -114,11 +114,11 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-ON_THIS_CPU = ("cuda without a GPU", "8-bit adam on the CPU")  # refusals of a machine without CUDA
+ON_THIS_CPU = ("cuda without a GPU", "paged adam on the CPU")  # refusals of a machine without CUDA
 CASES = {  # name -> (recipe sections, words of the one paragraph both commands print)
     "cuda without a GPU": ({"model": {"device": "cuda"}}, ["model.device", "no CUDA GPU"]),
-    "8-bit adam on the CPU": ({"model": {"device": "cpu"}, "train": {"optimizer": "adamw_8bit"}},
-                              ["train.optimizer adamw_8bit", "on the CPU"]),
+    "paged adam on the CPU": ({"model": {"device": "cpu"}, "train": {"optimizer": "paged_adamw_8bit"}},
+                              ["train.optimizer paged_adamw_8bit", "on the CPU"]),
     "lora keys under full": ({"train": {"finetuning": "full"}, "lora": {"r": 8, "dropout": 0.1}},
                              ["ignores the lora section", "lora.r", "lora.dropout"]),
     "an empty data file": ({"data": {"source": "EMPTY", "format": "prompt_completion"}},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quan
                         "num_hidden_layers, vocab_size, ... as it was trained), or download the model again.") from None
     if quantization != "nf4":
         model.to(device)
+    else:
+        keep_nf4_exact(model)
     return model
 
 
@@ -168,17 +171,120 @@ def _first_mismatch(path: Path) -> str:
 
 
 def _check_cpu_nf4(ref: ModelRef, device: str) -> None:
-    """bitsandbytes 0.50's CPU dequantize_4bit is wrong when a weight's input dimension is not a multiple of 64
-    (found by delft's export tests); refuse rather than train on corrupted weights."""
-    if device != "cpu" or not ref.is_local:
+    """bitsandbytes' native CPU dequantize_4bit decodes a weight wrongly when its input width is a multiple of 16
+    but not of 64 (wrong block scales); delft has checked its CPU path on multiples of 64 only, so it refuses the
+    rest rather than train on corrupted weights. And an older bitsandbytes has no CPU nf4 at all."""
+    if device != "cpu":
+        return
+    check_bitsandbytes_cpu("quantization.mode nf4", "quantization.mode")
+    if not ref.is_local:
         return
     cfg = json.loads((Path(ref.path) / MODEL_CONFIG).read_text())
     dims = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size") if isinstance(cfg.get(k), int)}
     bad = {k: v for k, v in dims.items() if v % 64}
     if bad:
-        raise UserError(f"nf4 on CPU needs layer widths that are multiples of 64 (bitsandbytes' CPU kernels "
-                        f"decode others wrongly), but this model has {bad}", "quantization.mode",
-                        "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
+        raise UserError(f"nf4 on CPU needs layer widths that are multiples of 64, but this model has {bad}: "
+                        "bitsandbytes' CPU kernels decode widths that are multiples of 16 but not of 64 (32, 48, 96, "
+                        "160, ...) with wrong scales, and delft has checked the CPU path on multiples of 64 only",
+                        "quantization.mode", "Use quantization.mode: none (or auto) on CPU, or train on a CUDA GPU.")
+
+
+# The first bitsandbytes whose CPU path (nf4 quantise, dequantise and matmul; the 8-bit AdamW's kernels) delft has
+# tested: 0.45 raises NotImplementedError for nf4 on the CPU and 0.48 has no native CPU kernels. pyproject.toml's
+# floor is the same version (tests/training/test_bitsandbytes_cpu.py holds them together).
+BNB_CPU_FLOOR = "0.50.2"
+
+
+def bitsandbytes_version() -> Optional[str]:
+    """The installed bitsandbytes' version (None: not installed), from its metadata: no import, so no torch."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("bitsandbytes")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'0.50.2' -> (0, 50, 2); a suffix (.dev0, rc1, +cpu) is ignored."""
+    m = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def bitsandbytes_line() -> str:
+    """What ``delft --version`` says about bitsandbytes: its version, and whether delft runs it on the CPU."""
+    have = bitsandbytes_version()
+    if have is None:
+        return "bitsandbytes not installed (nf4 and the 8-bit AdamW need it)"
+    if release(have) < release(BNB_CPU_FLOOR):
+        return f"bitsandbytes {have} (below {BNB_CPU_FLOOR}: nf4 and adamw_8bit are refused on the CPU; fine on CUDA)"
+    return f"bitsandbytes {have}"
+
+
+def check_bitsandbytes_cpu(what: str, where: str) -> None:
+    """Refuse ``what`` (nf4, an 8-bit AdamW) on the CPU when bitsandbytes is missing or older than BNB_CPU_FLOOR."""
+    have = bitsandbytes_version()
+    if have is not None and release(have) >= release(BNB_CPU_FLOOR):
+        return
+    found = f"this environment has bitsandbytes {have}" if have else "bitsandbytes is not installed"
+    raise UserError(f"{what} on the CPU needs bitsandbytes >= {BNB_CPU_FLOOR}, the first version whose CPU kernels "
+                    f"delft has tested (0.45 has no CPU nf4, 0.48 no native CPU kernels), and {found}", where,
+                    f"pip install 'bitsandbytes>={BNB_CPU_FLOOR}', or leave bitsandbytes out of CPU runs "
+                    "(quantization.mode: none, train.optimizer: adamw).")
+
+
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # bitsandbytes' blockwise 8-bit AdamW (paged or not)
+
+
+def check_paged_on_cpu(optimizer: str) -> None:
+    """paged_adamw_8bit on the CPU: bitsandbytes warns and runs it unpaged (there is no GPU memory to page out of),
+    so the recipe would say something the run does not do."""
+    if optimizer == "paged_adamw_8bit":
+        raise UserError("train.optimizer paged_adamw_8bit pages its states out of GPU memory under pressure, and this "
+                        "run is on the CPU, where bitsandbytes runs it unpaged: it is adamw_8bit there",
+                        "train.optimizer", "Use train.optimizer: adamw_8bit on the CPU (the same 8-bit AdamW), or "
+                        "adamw.")
+
+
+def nf4_layers(model) -> list:
+    """(name, bitsandbytes Linear4bit) of every nf4 layer in ``model``; [] without importing bitsandbytes when
+    nothing imported it (then no layer can be one)."""
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def keep_nf4_exact(model) -> None:
+    """Keep every nf4 layer on the path training differentiates through (dequantise, then matmul in the run's
+    dtype). bitsandbytes 0.50 otherwise repacks a layer's weight into a CPU layout the first time it runs in eval
+    mode on an input without gradient (validation, generation) on a CPU with AVX512-BF16; every later call, in
+    training too, then goes to a bf16 kernel without autograd, so the LoRA layers below the top get wrong
+    gradients, and converting back when saving changes the base weights."""
+    for _, m in nf4_layers(model):
+        m.support_avx512bf16_for_cpu = False
+
+
+def _repacked(layer) -> bool:
+    """Whether an nf4 layer's weight left the layout it was quantised in: bitsandbytes' flag for its CPU layout, or
+    the weight no longer the [(N*K+1)//2, 1] bytes of quantize_4bit (whatever a later version calls its layout)."""
+    state = layer.weight.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        return True
+    n, k = state.shape
+    return tuple(layer.weight.shape) != ((n * k + 1) // 2, 1)
+
+
+def check_nf4_exact(model) -> None:
+    """After an evaluation: refuse to train on when bitsandbytes repacked an nf4 layer anyway (``keep_nf4_exact``
+    turns it off by the attribute bitsandbytes 0.50 reads; a later version may read another)."""
+    moved = [name for name, m in nf4_layers(model) if _repacked(m)]
+    if moved:
+        raise UserError(f"bitsandbytes {bitsandbytes_version()} moved {len(moved)} nf4 layers (the first: {moved[0]}) "
+                        "to its CPU inference layout during an evaluation, which computes in bfloat16 without "
+                        "gradients: training on would give the LoRA layers below the top wrong gradients",
+                        "quantization.mode", f"Use bitsandbytes {BNB_CPU_FLOOR} (the version delft has checked), or "
+                        "set quantization.mode: none on the CPU.")
 
 
 def apply_liger_layers(model) -> list[str]:

@@ -40,6 +40,7 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_NO_DQ = 0.5 + 4 / 64
 
 
+MIN_8BIT_SIZE = 4096  # bitsandbytes' 8-bit AdamW keeps a smaller tensor's states in fp32 (its min_8bit_size)
 LORA_BYTES = 4 + 4 + 8  # fp32 weight, its gradient, AdamW exp_avg and exp_avg_sq
 
 
@@ -132,15 +133,29 @@ def _weight_bytes(s: dict, recipe) -> tuple[float, float, float]:
     weights_16 = other_params * small + (0 if nf4 else linear_params * d)
     if recipe.train.finetuning == "full":
         return weights_nf4, weights_16, (linear_params + other_params) * _optimizer_bytes_per_param(recipe)
-    trained = lora_parameters(s, lo) * (LORA_BYTES - 8 + state_bytes(recipe))
+    trained = lora_parameters(s, lo) * (LORA_BYTES - 8) + lora_state_bytes(s, recipe)
     return weights_nf4, weights_16, trained + saved_parameters(s, lo) * 4 * d
+
+
+def lora_tensors(s: dict, lo) -> list[int]:
+    """The sizes of one layer's LoRA tensors: A (r x in) and B (out x r) of each targeted projection, DoRA's
+    magnitudes (out)."""
+    targets = lora_targets(lo.target_modules)
+    return [n for k, (a, b) in linear_shapes(s).items() if k in targets
+            for n in (lo.r * a, lo.r * b, *((b,) if lo.use_dora else ()))]
 
 
 def lora_parameters(s: dict, lo) -> int:
     """The LoRA adapters' parameters over all layers (A and B of each targeted projection, DoRA's magnitudes)."""
-    targets = lora_targets(lo.target_modules)
-    lin = linear_shapes(s)
-    return s["layers"] * sum(lo.r * (a + b) + (b if lo.use_dora else 0) for k, (a, b) in lin.items() if k in targets)
+    return s["layers"] * sum(lora_tensors(s, lo))
+
+
+def lora_state_bytes(s: dict, recipe) -> float:
+    """The optimizer's state of every LoRA tensor: ``state_bytes`` each, except that the 8-bit AdamWs keep a tensor
+    below MIN_8BIT_SIZE elements in fp32 (8 bytes), as bitsandbytes does."""
+    per = state_bytes(recipe)
+    eight = recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit")
+    return s["layers"] * sum(n * (8 if eight and n < MIN_8BIT_SIZE else per) for n in lora_tensors(s, recipe.lora))
 
 
 def saved_parameters(s: dict, lo) -> int:

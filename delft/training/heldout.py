@@ -20,6 +20,7 @@ from delft.evaluation.contamination import generated_exclusion
 from delft.evaluation.generation import greedy, stop_strings
 from delft.evaluation.metrics import METRICS, summarize
 from delft.evaluation.problems import disjoint_from_training, load_problems
+from delft.models.loading import check_nf4_exact
 from delft.numbers.answers import cut_at_stop, extract_answer, score
 
 
@@ -71,6 +72,7 @@ class HeldOut:
             model.config.use_cache = use_cache
             if was_training:
                 model.train()
+        check_nf4_exact(model)  # generation is when bitsandbytes would repack an nf4 layer
         texts = [cut_at_stop(g.text, self.stops) for g in generations]
         if self.data is not None:
             texts = [read_completion(t, self.data) for t in texts]

@@ -1,7 +1,8 @@
 """What ``delft train`` checks before any weights load, and ``delft recipe check`` checks the same way (one function
-both call): the device is there, an 8-bit optimizer has CUDA, every tracker of train.report_to imports, a local
-data file gives examples. Each costs seconds at most; the same refusal after the model loaded costs minutes, and a
-"valid recipe" that train then refuses costs the user's trust in the check.
+both call): the device is there, nf4 or an 8-bit optimizer on the CPU has a bitsandbytes delft has tested there,
+every tracker of train.report_to imports, a local data file gives examples. Each costs seconds at most; the same
+refusal after the model loaded costs minutes, and a "valid recipe" that train then refuses costs the user's trust in
+the check.
 
 And a note at train start when the CPU is oversubscribed: torch's threads wait on each other when other jobs hold
 the cores, and one thread a process is then often many times faster.
@@ -15,22 +16,26 @@ from typing import Optional
 
 from delft.data.sources import is_data_file
 from delft.data.pipeline import check_not_all_empty, load_examples
-from delft.errors import UserError
 from delft.models.context import check_max_length
-from delft.models.loading import resolve_device
+from delft.models.loading import (
+    BNB_CPU_FLOOR,
+    EIGHT_BIT_OPTIMIZERS,
+    bitsandbytes_version,
+    check_bitsandbytes_cpu,
+    check_paged_on_cpu,
+    release,
+    resolve_device,
+)
 from delft.recipe.schema import GENERATED
-from delft.training.setup import CUDA_OPTIMIZERS
 from delft.training.loggers import check_backends
 
 
 def check_before_loading(recipe) -> None:
     """Refuse (UserError) what train would refuse only after loading the model: the cheap checks, in train's order."""
     t = recipe.train
-    if recipe.model.device == "cuda" or (t.stage == "sft" and t.optimizer in CUDA_OPTIMIZERS):
-        device = resolve_device(recipe.model.device)  # refuses model.device cuda without a GPU
-        if t.optimizer in CUDA_OPTIMIZERS and t.stage == "sft" and device != "cuda":
-            raise UserError(f"train.optimizer {t.optimizer} is bitsandbytes' CUDA optimizer; this run is on the CPU",
-                            "train.optimizer", "Use train.optimizer: adamw (or sgd) on the CPU.")
+    if recipe.model.device == "cuda":
+        resolve_device(recipe.model.device)  # refuses model.device cuda without a GPU
+    check_bitsandbytes_here(recipe)
     check_backends(t.report_to)
     folder = Path(recipe.model.name).expanduser()
     if recipe.model.init != "scratch" and folder.is_dir():  # a hub model's config is read once it is here (setup)
@@ -40,6 +45,27 @@ def check_before_loading(recipe) -> None:
         examples = load_examples(recipe.data)
         if t.stage == "sft":
             check_not_all_empty(examples, recipe.data)
+
+
+def check_bitsandbytes_here(recipe) -> None:
+    """nf4 or an 8-bit AdamW on the CPU: refused below the bitsandbytes delft has tested there, and paged_adamw_8bit
+    refused (it runs unpaged). Torch is imported (to resolve model.device auto) only when one of them applies."""
+    t = recipe.train
+    eight_bit = t.stage == "sft" and t.optimizer in EIGHT_BIT_OPTIMIZERS
+    nf4 = recipe.quantization.mode == "nf4"  # auto is never nf4 on the CPU
+    if not (eight_bit or nf4) or recipe.model.device == "cuda":
+        return
+    have = bitsandbytes_version()
+    below = have is None or release(have) < release(BNB_CPU_FLOOR)
+    if not below and t.optimizer != "paged_adamw_8bit":
+        return
+    if resolve_device(recipe.model.device) != "cpu":
+        return
+    if eight_bit:
+        check_paged_on_cpu(t.optimizer)
+        check_bitsandbytes_cpu(f"train.optimizer {t.optimizer}", "train.optimizer")
+    if nf4:
+        check_bitsandbytes_cpu("quantization.mode nf4", "quantization.mode")
 
 
 def local_data_file(source: str, fmt: str) -> bool:

@@ -15,8 +15,11 @@ from delft.losses.loss import Loss
 from delft.losses.registry import FUSED_CE, GLOBAL
 from delft.models.context import check_max_length
 from delft.models.loading import (
+    EIGHT_BIT_OPTIMIZERS,
     apply_liger_layers,
     apply_lora,
+    check_bitsandbytes_cpu,
+    check_paged_on_cpu,
     continue_lora,
     load_model,
     load_tokenizer,
@@ -92,19 +95,16 @@ def build_model(s: Setup, console: Console):
     return model, dtype, kernels
 
 
-CUDA_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # bitsandbytes' blockwise 8-bit kernels
-
-
 def build_optimizer(s: Setup, params: list, dtype):
     """The recipe's optimizer over ``params``: torch's AdamW in fp32; bitsandbytes' 32-bit AdamW for bf16/fp16
-    weights (full fine-tuning on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' (paged)
-    8-bit AdamW (CUDA only); torch's SGD."""
+    weights (full fine-tuning on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' 8-bit AdamW
+    (paged on CUDA only; on the CPU from the bitsandbytes delft has tested there); torch's SGD."""
     import torch
 
     t = s.recipe.train
-    if t.optimizer in CUDA_OPTIMIZERS and s.device != "cuda":
-        raise UserError(f"train.optimizer {t.optimizer} is bitsandbytes' CUDA optimizer; this run is on the CPU",
-                        "train.optimizer", "Use train.optimizer: adamw (or sgd) on the CPU.")
+    if t.optimizer in EIGHT_BIT_OPTIMIZERS and s.device == "cpu":
+        check_paged_on_cpu(t.optimizer)
+        check_bitsandbytes_cpu(f"train.optimizer {t.optimizer}", "train.optimizer")
     common = dict(lr=t.learning_rate, weight_decay=t.weight_decay)
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, momentum=t.momentum, **common)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from delft.data.batches import collate
 from delft.losses.loss import Counts, Sums
-from delft.models.loading import decoder_and_head
+from delft.models.loading import check_nf4_exact, decoder_and_head
 from delft.training import distributed as dist
 
 
@@ -57,5 +57,6 @@ def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -
             b = {k: v.to(device) for k, v in collate(val[i:i + batch_size], pad_id).items()}
             total = total + micro_sums(model, b, loss).detach()
     model.train()
+    check_nf4_exact(model)  # eval mode without gradients is when bitsandbytes would repack an nf4 layer
     m = loss.means(total, total.counts)
     return {"val_ce": m["ce"], "val_term": m["term"], "val_loss": m["loss"]}
