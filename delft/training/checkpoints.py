@@ -26,6 +26,15 @@ def adapter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def final_bytes(model, tokenizer) -> int:
+    """What a model (or adapter) directory with its tokenizer takes on disk, with a MiB to spare: the trainable
+    weights and the tokenizer's own file (its JSON, as save_pretrained writes it), so a small volume that holds them
+    is not refused."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    tokenizer_bytes = len(backend.to_str().encode()) if backend is not None else 2**23  # slow tokenizers: a guess
+    return adapter_bytes(model) + tokenizer_bytes + 2**20
+
+
 def check_free_space(where: Path, need: int, what: str) -> None:
     free = shutil.disk_usage(where).free
     if free < need:

@@ -26,13 +26,12 @@ from delft.models.loading import MUTATING_INITS, resolve_device, save_initial_ad
 from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
-from delft.training import sharding
+from delft.training import sharded_checkpoints, sharding
 from delft.training.checkpoints import (
     AGAIN,
-    adapter_bytes,
     check_free_space,
+    final_bytes,
     load_checkpoint,
-    read_state,
     rng_states,
     save_checkpoint,
 )
@@ -41,6 +40,7 @@ from delft.training.heldout import HeldOut
 from delft.training.loggers import Reporters, check_backends
 from delft.training.neftune import add_neftune
 from delft.training.report import peak_memory_gb
+from delft.training.resume import checkpoint_step
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
@@ -126,26 +126,65 @@ class Trainer:
                                        self.run.dir.name)
 
     def load_sharded(self, ckpt: Path) -> int:
-        """A sharded checkpoint into every rank's shards (any number of ranks wrote it); its step. Rank 0 also
-        restores early stopping's state."""
-        if not sharding.is_sharded_checkpoint(ckpt):
-            raise UserError(f"{ckpt} was written by a train.distributed ddp run (one whole copy of the weights), and "
-                            "this run shards them (fsdp)", "train.distributed",
-                            "Resume it with train.distributed: ddp (its recipe.yaml), then start an fsdp run from its "
-                            "final model or adapter (model.name or model.adapter).")
-        sharding.load_checkpoint(ckpt, self.root, self.optimizer)
-        state = read_state(ckpt)
-        self.scheduler.load_state_dict(state["scheduler"])
-        random.setstate(state["rng"]["python"])
-        if self.early_stopping is not None and dist.is_main():
-            self.early_stopping.load((state.get("extra") or {}).get("tracker"))
-        return int(state["step"])
+        """The newest sharded checkpoint from ``ckpt`` back that loads, into every rank's shards (any number of
+        ranks wrote it); its step. Every file is checked as data first (a planted one is refused, not loaded); a
+        damaged one is said and the next older tried, on every rank alike. Rank 0 also restores early stopping."""
+        for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
+            if not sharded_checkpoints.is_sharded_checkpoint(candidate):
+                raise UserError(f"{candidate} was written by a train.distributed ddp run (one whole copy of the "
+                                "weights), and this run shards them (fsdp)", "train.distributed",
+                                "Resume it with train.distributed: ddp (its recipe.yaml), then start an fsdp run from "
+                                "its final model or adapter (model.name or model.adapter).")
+            metadata, state, damaged = self.checked_everywhere(candidate)
+            if damaged is None:
+                try:
+                    sharded_checkpoints.load(candidate, metadata, self.root, self.optimizer)
+                except sharded_checkpoints.Damaged as e:  # DCP raises a failure on every rank together
+                    damaged = e
+            if damaged is not None:
+                self.say_damaged(candidate, damaged)
+                continue
+            self.scheduler.load_state_dict(state["scheduler"])
+            random.setstate(state["rng"]["python"])
+            if self.early_stopping is not None and dist.is_main():
+                self.early_stopping.load((state.get("extra") or {}).get("tracker"))
+            return int(state["step"])
+        raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run.dir)} can be read", "output.dir",
+                        "Pass --force to start the run over.")
+
+    @staticmethod
+    def checked_everywhere(ckpt: Path) -> tuple:
+        """(DCP's index, the trainer state, None) of a sharded checkpoint whose files every rank checked as data, or
+        (None, None, why it cannot be read). The ranks agree before any of them enters DCP's load: one that saw a
+        planted or damaged file where another did not must not leave the others waiting there."""
+        metadata = state = damaged = refused = None
+        try:
+            metadata, state = sharded_checkpoints.check(ckpt)
+        except sharded_checkpoints.Damaged as e:
+            damaged = e
+        except UserError as e:
+            refused = e
+        planted, broken = dist.all_reduce_floats([float(refused is not None), float(damaged is not None)])
+        if planted:
+            raise refused or UserError(f"another rank refused {ckpt} (see rank 0's message)", "output.dir",
+                                       "Resume only runs you made; to start over, pass --force.")
+        if broken:
+            return None, None, damaged or sharded_checkpoints.Damaged("another rank could not read it")
+        return metadata, state, None
+
+    def older_checkpoints(self, ckpt: Path) -> list[Path]:
+        """The run's checkpoints older than ``ckpt``, newest first."""
+        step = checkpoint_step(ckpt)
+        return [c for c in reversed(rundir.checkpoints(self.run.dir)) if checkpoint_step(c) < step]
+
+    def say_damaged(self, ckpt: Path, e: Exception) -> None:
+        self.console.print(f"[yellow]checkpoint {ckpt} cannot be read ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''}); trying an older one[/]")
 
     def resume_from(self, ckpt: Path) -> int:
         """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
-        older = [c for c in reversed(rundir.checkpoints(self.run.dir)) if c.name < ckpt.name]
-        for candidate in [ckpt, *older]:
-            if sharding.is_sharded_checkpoint(candidate):
+        for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
+            if sharded_checkpoints.is_sharded_checkpoint(candidate):
                 raise UserError(f"{candidate} holds the shards of a train.distributed fsdp run, and this run keeps "
                                 "whole weights (ddp)", "train.distributed",
                                 "Resume it with train.distributed: fsdp and a launcher (--nproc N), as it was "
@@ -159,8 +198,7 @@ class Trainer:
             except UserError:
                 raise
             except Exception as e:  # truncated safetensors, a broken pickle, a missing file: many types
-                self.console.print(f"[yellow]checkpoint {candidate} cannot be read ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:120] if str(e) else ''}); trying an older one[/]")
+                self.say_damaged(candidate, e)
         raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run.dir)} can be read", "output.dir",
                         "Pass --force to start the run over.")
 
@@ -169,9 +207,10 @@ class Trainer:
         with it under the key "tracker", as checkpoints have always stored it."""
         state = self.early_stopping.state() if self.early_stopping else None
         if self.root is not None:  # every rank writes its shards
-            trainer_state = {"step": self.step, "optimizer": sharding.SHARDED_MARK, "extra": {"tracker": state},
-                             "rng": self.step_rng or rng_states(), "scheduler": self.scheduler.state_dict()}
-            return sharding.save_checkpoint(self.run.dir, self.root, self.optimizer, trainer_state,
+            trainer_state = {"step": self.step, "optimizer": sharded_checkpoints.SHARDED_MARK,
+                             "extra": {"tracker": state}, "rng": self.step_rng or rng_states(),
+                             "scheduler": self.scheduler.state_dict()}
+            return sharded_checkpoints.save(self.run.dir, self.root, self.optimizer, trainer_state,
                                             self.recipe.train.keep_checkpoints)
         if not dist.is_main():
             return None
@@ -307,15 +346,17 @@ class Trainer:
 
     def agree_on_signal(self) -> None:
         """Sharded, a signal is only recorded (train.distributed fsdp's stage waits for signals) and the ranks
-        stop together at the end of a step, so every rank takes part in the checkpoint: a rank that saved alone
-        would wait forever for the others' shards."""
+        stop together at the end of a step (its log line written), so every rank takes part in the checkpoint: a
+        rank that saved alone would wait forever for the others' shards. A rank that got no signal itself stops as
+        the others were asked to (SIGTERM if any rank got one: the code the launcher reports)."""
         import signal as signals
 
-        mine = float(self.run.stops.received or 0)
-        if dist.all_reduce_floats([mine])[0] == 0:
+        mine = self.run.stops.received
+        interrupts, terms = dist.all_reduce_floats([float(mine == signals.SIGINT), float(mine == signals.SIGTERM)])
+        if interrupts == terms == 0:
             return
-        if self.run.stops.received is None:  # another rank's signal: torchrun forwards SIGTERM, so say that one
-            self.run.stops.received = signals.SIGTERM
+        if mine is None:
+            self.run.stops.received = signals.SIGTERM if terms else signals.SIGINT
         raise KeyboardInterrupt
 
     def after_step(self, out: dict, grad_norm: float, rate: float, stats: str) -> tuple[bool, bool]:
@@ -389,7 +430,7 @@ class Trainer:
                 sharding.save_pretrained(self.root, None)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        check_free_space(path.parent, adapter_bytes(self.model) + 2**24, what)
+        check_free_space(path.parent, final_bytes(self.model, self.setup.tokenizer), what)
         with staged(path) as tmp, no_space_is_a_user_error(path, "output.dir", AGAIN, partial=tmp):
             self.save_model(tmp)
             also(tmp)

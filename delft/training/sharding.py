@@ -16,31 +16,24 @@ gradient on every rank meanwhile, the memory sharding is there to save. On CUDA 
 optimizer's), compute runs in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``);
 ``train.cpu_offload`` keeps the shards in CPU memory between uses.
 
-Checkpoints are sharded (``torch.distributed.checkpoint``): every rank writes its shards into one staged directory,
-rank 0 adds the trainer state and renames it into place, so a checkpoint is whole or not there, and a different
-number of ranks re-shards it on load. The final model (or adapter) is gathered onto rank 0 and saved as an ordinary
-safetensors directory, as an unsharded run saves it.
+Checkpoints are sharded (delft.training.sharded_checkpoints, on ``torch.distributed.checkpoint``, read as data
+only). The final model (or adapter) is gathered onto rank 0 and saved as an ordinary safetensors directory, as an
+unsharded run saves it.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
-from delft import rundir
 from delft.errors import UserError
 from delft.models.loading import MUTATING_INITS, plain_model
-from delft.outputs import follow_umask, publish, temporary_sibling
 from delft.training import distributed as dist
-from delft.training.checkpoints import check_free_space
 from delft.training.step import forward_sums
 
-SHARDED_MARK = "sharded.json"  # in a sharded checkpoint: the world size that wrote it (DCP's files beside it)
 FULL_KEY_PREFIX = "model."  # LossStep's attribute: stripped from the gathered state dict's names
 
 
@@ -155,72 +148,3 @@ def save_pretrained(root: LossStep, path: Optional[Path]) -> None:
     state = full_state_dict(root)
     if path is not None:
         root.model.save_pretrained(path, state_dict=state)
-
-
-def _sharded_states(root: LossStep, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(root), "optimizer": get_optimizer_state_dict(root, optimizer)}
-
-
-def _local_bytes(root: LossStep, optimizer) -> int:
-    """This rank's shards of the weights and of the optimizer's states: its part of a checkpoint."""
-    def size(t) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    return sum(size(p) for p in root.parameters()) + sum(size(v) for v in states)
-
-
-def _staging_dir(final: Path) -> Path:
-    """Rank 0's temporary name for ``final``, the same on every rank (its pid marks a dead run's leftover)."""
-    import torch.distributed as tdist
-
-    name = [str(temporary_sibling(final))] if dist.is_main() else [None]
-    tdist.broadcast_object_list(name, src=0)
-    return Path(name[0])
-
-
-def save_checkpoint(run_dir: Path, root: LossStep, optimizer, trainer_state: dict, keep: int) -> Optional[Path]:
-    """Every rank's shards and rank 0's trainer state (step, scheduler, RNG, extra) into one staged directory,
-    renamed into place by rank 0 once all have written: the checkpoint (on rank 0; None elsewhere)."""
-    import torch.distributed.checkpoint as dcp
-
-    final = rundir.checkpoint_path(run_dir, trainer_state["step"])
-    # every rank checks the whole checkpoint's size against the shared disk, so all refuse together, none hangs
-    need = dist.all_reduce_floats([float(_local_bytes(root, optimizer))])[0]
-    final.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(final.parent, int(need) + 2**20, "checkpoint")
-    tmp = _staging_dir(final)
-    if dist.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier("the checkpoint's directory")
-    dcp.save(_sharded_states(root, optimizer), checkpoint_id=str(tmp))
-    dist.barrier("the checkpoint's shards")
-    if not dist.is_main():
-        return None
-    (tmp / SHARDED_MARK).write_text(json.dumps({"world_size": dist.world_size()}))
-    torch.save(trainer_state, tmp / rundir.STATE_FILE)  # last: a checkpoint is complete once its state file is there
-    follow_umask(tmp)
-    publish(tmp, final)
-    for old in rundir.checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def is_sharded_checkpoint(ckpt: Path) -> bool:
-    return (Path(ckpt) / SHARDED_MARK).is_file()
-
-
-def load_checkpoint(ckpt: Path, root: LossStep, optimizer) -> None:
-    """The shards of ``ckpt`` into this rank's part of the model and optimizer, re-sharded when the checkpoint was
-    written by another number of ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    states = _sharded_states(root, optimizer)
-    dcp.load(states, checkpoint_id=str(ckpt))
-    set_model_state_dict(root, states["model"])
-    set_optimizer_state_dict(root, optimizer, states["optimizer"])
