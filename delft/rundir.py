@@ -329,13 +329,26 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint or snapshot directory (``step-000042``, ``step-1000000``) holds. Compare
+    checkpoints by this, never by name: past step 999,999 the names outgrow their six-digit padding, and
+    ``step-1000000`` sorts before ``step-999000``."""
+    return int(Path(path).name.removeprefix(CHECKPOINT_PREFIX))
+
+
+def _is_step_name(name: str) -> bool:
+    digits = name.removeprefix(CHECKPOINT_PREFIX)
+    return name.startswith(CHECKPOINT_PREFIX) and digits.isascii() and digits.isdigit()
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a checkpoint is complete once its state file is in place)."""
+    """Complete checkpoints, oldest first by step (a checkpoint is complete once its state file is in place)."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    return [c for c in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))
-            if (c / STATE_FILE).is_file() or (c / HF_STATE_FILE).is_file()]
+    found = [c for c in root.glob(f"{CHECKPOINT_PREFIX}*")
+             if _is_step_name(c.name) and ((c / STATE_FILE).is_file() or (c / HF_STATE_FILE).is_file())]
+    return sorted(found, key=checkpoint_step)
 
 
 def snapshot_path(run_dir: Path, step: int) -> Path:

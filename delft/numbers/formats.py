@@ -45,8 +45,9 @@ original sits inside a wrapper, so a ``{`` followed by a digit always opens one.
 
 from __future__ import annotations
 
+import io
 import re
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from delft.numbers.digits import run_places
 
@@ -69,6 +70,11 @@ _WRAPPED = re.compile(r"\{[0-9]+(?:\.[0-9]+)?:(?P<body>[0-9][0-9.,]*)\}")
 Sources = list[Optional[int]]
 
 
+# Where a piece's characters came from, in parts (ranges of input indices, or Nones for added characters): a
+# range costs nothing per character, so writing a text without its sources stays linear in the text's bytes.
+Parts = tuple[Iterable[Optional[int]], ...]
+
+
 def _check(order: str, count_prefix: bool) -> None:
     if order not in ORDERS:
         raise ValueError(f"number order must be one of {ORDERS}, not {order!r}")
@@ -76,73 +82,82 @@ def _check(order: str, count_prefix: bool) -> None:
         raise ValueError(f"count_prefix must be True or False, not {count_prefix!r}")
 
 
-def _rewrite(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Sources]]) -> tuple[str, Sources]:
-    """``text`` with every match of ``pattern`` replaced by ``piece(match)``, and where each output char came from."""
-    out: list[str] = []
-    sources: Sources = []
+def _rewrite(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Parts]],
+             sources: Optional[Sources] = None) -> str:
+    """``text`` with every match of ``pattern`` replaced by ``piece(match)``; where each output character came
+    from is appended to ``sources`` when one is given. The output is built in one growing buffer and the matches
+    are read one at a time, so a long text costs a few times its own size, not a Python object per character."""
+    out = io.StringIO()
     at = 0
     for m in pattern.finditer(text):
-        out.append(text[at:m.start()])
-        sources.extend(range(at, m.start()))
-        written, came_from = piece(m)
-        out.append(written)
-        sources.extend(came_from)
+        out.write(text[at:m.start()])
+        written, parts = piece(m)
+        out.write(written)
+        if sources is not None:
+            sources.extend(range(at, m.start()))
+            for part in parts:
+                sources.extend(part)
         at = m.end()
-    out.append(text[at:])
-    sources.extend(range(at, len(text)))
-    return "".join(out), sources
+    out.write(text[at:])
+    if sources is not None:
+        sources.extend(range(at, len(text)))
+    return out.getvalue()
 
 
-def _reversed_span(m: re.Match, start: int, end: int) -> tuple[str, Sources]:
+def _reversed_span(m: re.Match, start: int, end: int) -> tuple[str, Parts]:
     """The characters ``start..end`` of the matched text, back to front."""
-    return m.string[start:end][::-1], list(range(end - 1, start - 1, -1))
+    return m.string[start:end][::-1], (range(end - 1, start - 1, -1),)
 
 
-def _wrap(m: re.Match, order: str) -> tuple[str, Sources]:
+def _wrap(m: re.Match, order: str) -> tuple[str, Parts]:
     integer, fraction = m.group("int"), m.group("frac")
-    counts = str(len(integer.replace(",", ""))) + ("" if fraction is None else f".{len(fraction)}")
+    counts = str(len(integer) - integer.count(",")) + ("" if fraction is None else f".{len(fraction)}")
     if order == "reversed":
-        body, body_sources = _reversed_span(m, m.start(), m.end())
+        body, (body_sources,) = _reversed_span(m, m.start(), m.end())
     else:
-        body, body_sources = m.group(0), list(range(m.start(), m.end()))
+        body, body_sources = m.group(0), range(m.start(), m.end())
     head = "{" + counts + ":"
-    return head + body + "}", [None] * len(head) + body_sources + [None]
+    return head + body + "}", ([None] * len(head), body_sources, [None])
 
 
-def _unwrap(m: re.Match, order: str) -> tuple[str, Sources]:
+def _unwrap(m: re.Match, order: str) -> tuple[str, Parts]:
     start, end = m.span("body")
     if order == "reversed":
         return _reversed_span(m, start, end)
-    return m.group("body"), list(range(start, end))
+    return m.group("body"), (range(start, end),)
 
 
-def _convert(text: str, order: str, count_prefix: bool, reading: bool) -> tuple[str, Sources]:
-    """Write (``reading`` False) or read back the numbers of ``text``, with each output character's source index."""
+def _convert(text: str, order: str, count_prefix: bool, reading: bool, sources: Optional[Sources] = None) -> str:
+    """Write (``reading`` False) or read back the numbers of ``text``; each output character's source index is
+    appended to ``sources`` when one is given (only the per-character views ask: their texts are short)."""
     _check(order, count_prefix)
     if count_prefix and reading:
-        return _rewrite(text, _WRAPPED, lambda m: _unwrap(m, order))
+        return _rewrite(text, _WRAPPED, lambda m: _unwrap(m, order), sources)
     if count_prefix:
-        return _rewrite(text, _NUMBER, lambda m: _wrap(m, order))
+        return _rewrite(text, _NUMBER, lambda m: _wrap(m, order), sources)
     if order == "reversed":  # reversing a run is its own inverse
-        return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
-    return text, list(range(len(text)))
+        return _rewrite(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()), sources)
+    if sources is not None:
+        sources.extend(range(len(text)))
+    return text
 
 
 def write_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
     """``text`` with every number written in the given form (module docstring): ``write_numbers("12+9=21",
     "reversed") == "21+9=12"``, ``write_numbers("12+9=21", count_prefix=True) == "{2:12}+{1:9}={2:21}"``."""
-    return _convert(text, order, count_prefix, reading=False)[0]
+    return _convert(text, order, count_prefix, reading=False)
 
 
 def read_numbers(text: str, order: str = "natural", count_prefix: bool = False) -> str:
     """The natural text a written one stands for: the inverse of :func:`write_numbers` with the same form."""
-    return _convert(text, order, count_prefix, reading=True)[0]
+    return _convert(text, order, count_prefix, reading=True)
 
 
 def _natural_index(text: str, order: str, count_prefix: bool) -> tuple[str, Sources]:
     """The natural text, and for every character of the written ``text`` the index of the natural character it
     is (None for a prefix's characters, which stand for nothing in the natural text)."""
-    natural, sources = _convert(text, order, count_prefix, reading=True)
+    sources: Sources = []
+    natural = _convert(text, order, count_prefix, True, sources)
     index: Sources = [None] * len(text)
     for j, i in enumerate(sources):
         index[i] = j
@@ -204,13 +219,15 @@ def prefix_characters(text: str, order: str = "natural", count_prefix: bool = Fa
     return [j is None for j in _natural_index(text, order, count_prefix)[1]]
 
 
-def _last_only(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Sources]]) -> str:
-    """``text`` with only the last match of ``pattern`` replaced by ``piece(match)``."""
-    found = list(pattern.finditer(text))
-    if not found:
+def _last_only(text: str, pattern: re.Pattern, piece: Callable[[re.Match], tuple[str, Parts]]) -> str:
+    """``text`` with only the last match of ``pattern`` replaced by ``piece(match)`` (matches read one at a time:
+    a line of many numbers keeps none but the last)."""
+    m = None
+    for m in pattern.finditer(text):
+        pass
+    if m is None:
         return text
-    m = found[-1]
-    return text[:m.start()] + piece(m)[0] + text[m.end():]
+    return "".join((text[:m.start()], piece(m)[0], text[m.end():]))
 
 
 def write_last_number(text: str, order: str = "natural", count_prefix: bool = False) -> str:

@@ -18,7 +18,7 @@ from delft.outputs import holds_cwd_or_home, said_removed, write_atomic
 from delft.recipe.schema import Recipe
 from delft.recipe.files import keep_legacy_separator, load_run_recipe, predates_separator
 from delft.recipe.keys import recipe_differences
-from delft.rundir import latest_checkpoint
+from delft.rundir import checkpoint_step, latest_checkpoint
 from delft.training import distributed as dist
 
 # Keys that change neither the adapter a run trains nor how long it trains: bookkeeping, and how the loss is
@@ -91,11 +91,6 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
                         "Choose another output.dir or pass --force to replace it.")
     return run_dir, None, False
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    """The optimizer step a checkpoint directory (``step-000042``) holds."""
-    return int(Path(ckpt).name.removeprefix(rundir.CHECKPOINT_PREFIX))
 
 
 def check_steps_left(ckpt: Path, total_steps: int) -> None:
