@@ -1,12 +1,13 @@
 """An example as the model sees it: the prompt and completion text, its numbers written as ``data.numbers`` says
-(delft.numbers.formats), through the tokenizer's chat template when the recipe asks for one; and a model's answer
-read back into natural numbers before it is scored."""
+(delft.numbers.formats), through the tokenizer's chat template when the recipe asks for one (rendered within
+bounds, delft.data.templates); and a model's answer read back into natural numbers before it is scored."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from delft.data.sources import Example
+from delft.data.templates import render_chat
 from delft.errors import UserError
 from delft.numbers.digits import ascii_digits
 from delft.numbers.formats import read_last_number, read_numbers, write_last_number, write_numbers
@@ -85,8 +86,8 @@ def render_prompt(example: Example, tokenizer, cfg) -> str:
 
 
 def _render_written_prompt(example: Example, tokenizer, cfg) -> str:
-    if use_chat_template(tokenizer, cfg):
-        return tokenizer.apply_chat_template(_messages(example, cfg), tokenize=False, add_generation_prompt=True)
+    if use_chat_template(tokenizer, cfg):  # someone else's program: rendered within bounds (delft.data.templates)
+        return render_chat(tokenizer, _messages(example, cfg), add_generation_prompt=True)
     prompt = example.prompt
     if isinstance(prompt, list):
         prompt = "\n".join(m["content"] for m in prompt)
@@ -99,8 +100,7 @@ def render_pair(example: Example, tokenizer, cfg) -> tuple[str, str]:
     example = replace(_written_prompt(example, cfg), completion=written_completion(example.completion, cfg))
     prompt = _render_written_prompt(example, tokenizer, cfg)
     if use_chat_template(tokenizer, cfg):
-        full = tokenizer.apply_chat_template(
-            _messages(example, cfg) + [{"role": "assistant", "content": example.completion}], tokenize=False)
+        full = render_chat(tokenizer, _messages(example, cfg) + [{"role": "assistant", "content": example.completion}])
         if full.startswith(prompt):
             return prompt, full[len(prompt):]
     return prompt, example.completion + (tokenizer.eos_token or "")

@@ -40,6 +40,7 @@ from rich.table import Table
 from delft import children
 from delft.children import describe_exit
 from delft.data.prompts import use_chat_template
+from delft.data.templates import render_chat
 from delft.errors import UserError, VerificationError
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
 from delft.export.checks import check_out, check_run_dir
@@ -448,8 +449,8 @@ def _chatml_default_system(tokenizer) -> Optional[str]:
     probe = [{"role": "system", "content": "S1"}, {"role": "user", "content": "U1"},
              {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
     try:
-        with_system = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        without = tokenizer.apply_chat_template(probe[1:2], tokenize=False, add_generation_prompt=True)
+        with_system = render_chat(tokenizer, probe, add_generation_prompt=True)  # within bounds: the run's file
+        without = render_chat(tokenizer, probe[1:2], add_generation_prompt=True)
     except Exception:
         return None
     if with_system != _chatml(probe, True):

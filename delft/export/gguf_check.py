@@ -21,6 +21,7 @@ from rich.console import Console
 
 from delft import children
 from delft.children import describe_exit
+from delft.data.templates import render_chat
 from delft.export.report import CHECK_PROMPTS
 from delft.models.loading import load_tokenizer, using_model
 
@@ -46,8 +47,7 @@ class CheckInputs:
 def check_inputs(tokenizer) -> CheckInputs:
     texts = list(CHECK_PROMPTS)
     if getattr(tokenizer, "chat_template", None):
-        texts.append(tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPTS[0]}], tokenize=False,
-                                                   add_generation_prompt=True))
+        texts.append(render_chat(tokenizer, [{"role": "user", "content": CHECK_PROMPTS[0]}], add_generation_prompt=True))
     else:
         texts.append(CHECK_PROMPTS[0])
     ids = [tokenizer(t)["input_ids"] for t in texts[:-1]]

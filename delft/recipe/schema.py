@@ -442,17 +442,10 @@ class TrainConfig(Section):
             raise ValueError("cpu_offload moves FSDP's shards to CPU memory: it needs distributed: fsdp")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must each be in [0, 1), not {list(self.betas)}")
-        return self
-
-    @model_validator(mode="after")
-    def _snapshots_within_steps(self):
-        """A snapshot after the last step is never taken; with epochs the total is known only from the data, and
-        train checks it there (delft.training.schedule.check_snapshot_steps)."""
         late = [s for s in self.snapshot_steps if self.max_steps is not None and s > self.max_steps]
-        if late:
+        if late:  # never taken; with epochs train checks once the data gives the total (schedule.check_snapshot_steps)
             raise ValueError(f"snapshot_steps {late[:5]} come after train.max_steps {self.max_steps}, so they would "
-                             f"never be taken: give steps of at most {self.max_steps} (the last step's snapshot is "
-                             "the final model)")
+                             f"never be taken: give steps of at most {self.max_steps}")
         return self
 
     @field_validator("snapshot_steps")
