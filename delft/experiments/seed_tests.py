@@ -10,6 +10,14 @@ observations as it has seeds, not seeds x problems. The tests here are over each
 - ``hierarchical_bootstrap``: seeds, then problems, resampled. Descriptive only: with 2-4 seeds it resamples from
   so few seeds that its interval is too narrow (p < 0.05 in 14-35 % of null cases with 2 seeds once the effect
   varies by seed), so it is labelled for what it resamples and never decides.
+- ``two_way_test``: where every seed is scored on the same problems, the seed x problem table of paired
+  differences read as a two-way random-effects ANOVA (seed and problem effects, one observation per cell): the
+  mean's variance is seed variance / seeds + problem variance / problems + residual / (seeds x problems), with
+  Satterthwaite's degrees of freedom. The seeds-only t test treats the problem set as fixed, so where the seeds
+  barely differ (LoRA) and the problems carry the spread, its interval is too narrow for claims about "problems
+  like these"; a study that states ``decide: two_way`` decides on this one.
+- ``wilcoxon_test``: the exact signed-rank test over seeds (scipy), beside the sign-flip test.
+- ``tost``: equivalence by two one-sided tests at a stated margin (the 90 % interval inside +-margin).
 - ``holm``: Holm's step-down adjustment over a study's comparisons.
 - ``detectable_difference``: the smallest true mean difference the t test detects with 80 % power, from a
   between-seed spread (stated, piloted or observed), solved on the noncentral t distribution.
@@ -102,6 +110,81 @@ def hierarchical_bootstrap(ref: Sequence[Sequence[float]], arm: Sequence[Sequenc
     far = int((diffs <= 0).sum()) if point > 0 else int((diffs >= 0).sum())
     return {"difference": point, "ci": [float(lo), float(hi)],
             "p": float(min(1.0, 2 * (1 + far) / (resamples + 1))), "resamples": "seeds, then problems"}
+
+
+def two_way_test(ref: Sequence[Sequence[float]], arm: Sequence[Sequence[float]], level: float = LEVEL) -> dict:
+    """arm minus ref on a [seeds x problems] table (every seed scored on the same problems): the grand mean, its
+    two-way random-effects standard error and interval (Satterthwaite degrees of freedom), the two-sided p and the
+    variance components. A component whose mean square falls below the residual's is taken as 0, so the variance
+    is never negative. None for the interval and p with fewer than 2 seeds or 2 problems, or no variation at all."""
+    d = np.asarray(arm, dtype=np.float64) - np.asarray(ref, dtype=np.float64)
+    if d.ndim != 2:
+        raise ValueError("two_way_test needs [seeds x problems] scores")
+    s, n = d.shape
+    mean = float(d.mean())
+    empty = {"difference": mean, "ci": None, "p": None, "se": None, "df": None, "components": None,
+             "seeds": s, "problems": n}
+    if s < 2 or n < 2:
+        return empty
+    ms, dfs = _mean_squares(d)
+    use = [ms["seed"] > ms["residual"], ms["problem"] > ms["residual"]]
+    # (coefficient of each mean square) in seeds x problems x Var(mean): MS_seed + MS_problem - MS_residual with
+    # both components kept; a component taken as 0 drops its mean square and the residual's minus sign with it
+    coef = (float(use[0]), float(use[1]), float(1 - use[0] - use[1]))
+    parts = [c * m for c, m in zip(coef, (ms["seed"], ms["problem"], ms["residual"]))]
+    var = sum(parts) / (s * n)
+    if var <= 1e-24 * max(1.0, mean * mean):
+        return empty
+    df = sum(parts) ** 2 / sum(x * x / f for x, f in zip(parts, dfs) if x)
+    se = var ** 0.5
+    half = float(stats.t.ppf(1 - (1 - level) / 2, df)) * se
+    components = {"seed": max(0.0, (ms["seed"] - ms["residual"]) / n),
+                  "problem": max(0.0, (ms["problem"] - ms["residual"]) / s), "residual": ms["residual"]}
+    return {**empty, "ci": [mean - half, mean + half], "p": float(2 * stats.t.sf(abs(mean) / se, df)), "se": se,
+            "df": float(df), "components": components, "mean_squares": ms}
+
+
+def _mean_squares(d: np.ndarray) -> tuple[dict, tuple[int, int, int]]:
+    """The two-way ANOVA's mean squares of a [seeds x problems] table (one observation per cell) and their
+    degrees of freedom."""
+    s, n = d.shape
+    grand, by_seed, by_problem = d.mean(), d.mean(axis=1), d.mean(axis=0)
+    residual = d - by_seed[:, None] - by_problem[None, :] + grand
+    dfs = (s - 1, n - 1, (s - 1) * (n - 1))
+    ms = {"seed": float(n * ((by_seed - grand) ** 2).sum() / dfs[0]),
+          "problem": float(s * ((by_problem - grand) ** 2).sum() / dfs[1]),
+          "residual": float((residual ** 2).sum() / dfs[2])}
+    return ms, dfs
+
+
+def tost(difference: float, se: Optional[float], df: Optional[float], margin: float, alpha: float = ALPHA) -> dict:
+    """Equivalence within +-``margin`` (same unit as ``difference``) by two one-sided t tests: p is the larger of
+    the two one-sided p-values; equivalent when p < alpha, which is the (1 - 2 alpha) interval inside the margin.
+    None without a standard error (one seed, or no spread)."""
+    if se is None or df is None or se <= 0:
+        return {"margin": margin, "p": None, "ci": None, "equivalent": False}
+    lower = float(stats.t.sf((difference + margin) / se, df))  # H0: difference <= -margin
+    upper = float(stats.t.cdf((difference - margin) / se, df))  # H0: difference >= +margin
+    half = float(stats.t.ppf(1 - alpha, df)) * se
+    p = max(lower, upper)
+    return {"margin": margin, "p": p, "ci": [difference - half, difference + half], "equivalent": p < alpha}
+
+
+def wilcoxon_test(per_seed: Sequence[float]) -> dict:
+    """The exact Wilcoxon signed-rank test over seeds (zero differences dropped, as Wilcoxon's own rule), with its
+    smallest possible p, 2 / 2^k over the k nonzero seeds. None with no nonzero seed."""
+    d = [x for x in per_seed if abs(x) > 1e-12]
+    if not d:
+        return {"p": None, "smallest_possible_p": None, "nonzero": 0}
+    p = float(stats.wilcoxon(d, method="exact" if len(d) <= 50 else "approx").pvalue)
+    return {"p": p, "smallest_possible_p": float(min(1.0, 2 / 2 ** len(d))), "nonzero": len(d)}
+
+
+def spread_upper_bound(sd: float, seeds: int, level: float = LEVEL) -> float:
+    """The upper end of the two-sided ``level`` interval of a standard deviation estimated from ``seeds`` values
+    (chi-square with seeds - 1 degrees of freedom): 6.3 times the estimate with 3 seeds at 95 %, so a plan built
+    on a small pilot's spread does not promise what the pilot only happened to show."""
+    return float(sd * ((seeds - 1) / stats.chi2.ppf((1 - level) / 2, seeds - 1)) ** 0.5)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

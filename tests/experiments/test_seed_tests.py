@@ -7,6 +7,7 @@ from itertools import product
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from delft.experiments.seed_tests import (
     detectable_difference,
@@ -15,7 +16,11 @@ from delft.experiments.seed_tests import (
     sign_flip_test,
     t_power,
     t_quantile,
+    spread_upper_bound,
     t_test,
+    tost,
+    two_way_test,
+    wilcoxon_test,
 )
 
 
@@ -99,3 +104,72 @@ def test_the_detectable_difference_has_80_percent_power_with_the_seed_as_the_uni
     rng = np.random.default_rng(3)  # Monte Carlo: the t test finds that difference in ~80 % of studies
     hits = sum(t_test(rng.normal(d, 0.05, size=10))["p"] < 0.05 for _ in range(2000))
     assert 0.76 < hits / 2000 < 0.84
+
+
+# A seed x problem table of paired differences (arm minus reference), worked by hand below.
+TABLE = [[2, 0, 1, 1],
+         [1, -1, 0, 0],
+         [3, 1, 2, 0]]
+
+
+def test_the_two_way_interval_on_a_hand_worked_3_by_4_table():
+    # seed means 1, 0, 3/2; problem means 2, 0, 1, 1/3; grand mean 5/6
+    # MS_seed = 4 x (1/36 + 25/36 + 16/36) / 2 = 7/3; MS_problem = 3 x (49 + 25 + 1 + 9) / 36 / 3 = 7/3
+    # SS_total = 22 - 12 x 25/36 = 41/3; SS_residual = 41/3 - 14/3 - 7 = 2 over 6 df: MS_residual = 1/3
+    # Var(mean) = (7/3 + 7/3 - 1/3) / 12 = 13/36; Satterthwaite df = (13/3)^2 / ((7/3)^2/2 + (7/3)^2/3 + (1/3)^2/6)
+    #           = 1014/246
+    ref = np.zeros((3, 4))
+    w = two_way_test(ref, TABLE)
+    df = 1014 / 246
+    se = 13 ** 0.5 / 6
+    half = float(stats.t.ppf(0.975, df)) * se
+    assert w["difference"] == pytest.approx(5 / 6)
+    assert w["mean_squares"] == pytest.approx({"seed": 7 / 3, "problem": 7 / 3, "residual": 1 / 3})
+    assert w["se"] == pytest.approx(se) and w["df"] == pytest.approx(df)
+    assert w["ci"] == pytest.approx([5 / 6 - half, 5 / 6 + half])
+    assert w["components"] == pytest.approx({"seed": 0.5, "problem": 2 / 3, "residual": 1 / 3})
+    # the seeds-only t test sees only MS_seed / 12 = 7/36 of variance: narrower than the two-way 13/36
+    t = t_test([1.0, 0.0, 1.5])
+    assert (t["ci"][1] - t["ci"][0]) / (2 * t_quantile(0.975, 2)) == pytest.approx((7 / 36) ** 0.5)
+
+
+def test_a_component_below_the_residual_counts_as_zero_never_a_negative_variance():
+    flat_seeds = [[1, 0, 1, 0], [1, 0, 1, 0], [1, 0, 1, 0]]  # MS_seed 0 < MS_residual 0: only problems vary
+    w = two_way_test(np.zeros((3, 4)), flat_seeds)
+    assert w["components"]["seed"] == 0 and w["se"] == pytest.approx((w["mean_squares"]["problem"] / 12) ** 0.5)
+    assert w["df"] == pytest.approx(3)  # MS_problem alone: its own 3 degrees of freedom
+    assert two_way_test(np.zeros((1, 4)), [[1, 0, 1, 0]])["ci"] is None  # one seed: no seed variance to estimate
+
+
+def test_the_two_way_interval_covers_where_the_seeds_only_t_interval_does_not():
+    # Seeds barely differ, problems carry the spread (the LoRA regime): the seeds-only t interval treats the
+    # problems as fixed and misses the true mean far more often than 5 %; the two-way interval keeps its level.
+    rng = np.random.default_rng(54)
+    reps, seeds, problems = 400, 5, 60
+    hits = {"two_way": 0, "t": 0}
+    for _ in range(reps):
+        d = (0.1 * rng.standard_normal((seeds, 1)) + 1.0 * rng.standard_normal((1, problems))
+             + 0.5 * rng.standard_normal((seeds, problems)))
+        w, t = two_way_test(np.zeros_like(d), d), t_test(d.mean(axis=1))
+        hits["two_way"] += w["ci"][0] <= 0 <= w["ci"][1]
+        hits["t"] += t["ci"][0] <= 0 <= t["ci"][1]
+    assert 0.92 <= hits["two_way"] / reps <= 0.98
+    assert hits["t"] / reps < 0.8
+
+
+def test_tost_is_the_90_percent_interval_inside_the_margin():
+    inside = tost(0.005, 0.01, 30, 0.025)  # 0.005 +- 1.697 x 0.01: inside +-0.025
+    assert inside["equivalent"] and inside["p"] < 0.05
+    assert inside["ci"][0] > -0.025 and inside["ci"][1] < 0.025
+    p_upper = float(stats.t.cdf((0.005 - 0.025) / 0.01, 30))  # the nearer bound decides
+    assert inside["p"] == pytest.approx(p_upper)
+    wide = tost(0.005, 0.02, 30, 0.025)
+    assert not wide["equivalent"] and wide["ci"][1] > 0.025
+    assert tost(0.0, None, None, 0.025)["p"] is None  # no spread: no test, never "equivalent"
+
+
+def test_wilcoxon_and_the_spread_bound():
+    w = wilcoxon_test([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.0])  # the zero seed is dropped: 8 left
+    assert w["nonzero"] == 8 and w["p"] == pytest.approx(2 / 2 ** 8) and w["smallest_possible_p"] == w["p"]
+    assert spread_upper_bound(1.0, 3) == pytest.approx(6.28, abs=0.01)  # 3 seeds: 6.3x the estimate
+    assert spread_upper_bound(1.0, 10) == pytest.approx(1.826, abs=0.01)
