@@ -10,6 +10,7 @@ import yaml
 
 from delft.errors import UserError
 from delft.recipe.schema import DataConfig, NumbersConfig, Recipe, validate_recipe
+from delft.recipe.shipped import missing_recipe_fix, resolve_recipe
 from delft.rundir import CHECKPOINTS, RECIPE, SNAPSHOTS
 
 
@@ -35,17 +36,18 @@ def read_yaml(path: Path) -> dict:
                         "Fix the YAML syntax (indentation, colons, quotes).") from None
     if data is None:
         raise UserError("empty recipe (no sections at all)", str(path),
-                        "Write at least the sections you mean to set; start from recipes/quickstart.yaml.")
+                        "Write at least the sections you mean to set; delft recipe new quickstart my.yaml writes a starter.")
     if not isinstance(data, dict):
         raise UserError("the recipe must be a mapping of sections (model, data, train, ...)", str(path),
-                        "Start from recipes/quickstart.yaml.")
+                        "Start from a starter: delft recipe new quickstart my.yaml.")
     return data
 
 
 def recipe_chain(path: str | Path) -> list[Path]:
-    """The recipe file and the files it extends through ``base:``, nearest first (cycles are errors)."""
+    """The recipe file (or the built-in recipe it names where no such file exists: ``quickstart``) and the files it
+    extends through ``base:``, nearest first (cycles are errors)."""
     chain: list[Path] = []
-    current: Optional[Path] = Path(path)
+    current: Optional[Path] = resolve_recipe(path)
     while current is not None:
         if any(current.resolve() == p.resolve() for p in chain):
             loop = " -> ".join(str(p) for p in [*chain, current])
@@ -234,7 +236,7 @@ def read_text(path: Path) -> str:
     if path.is_dir():
         raise UserError(f"recipe {path} is a directory", fix="Give the recipe's YAML file.")
     if not path.is_file():
-        raise UserError(f"recipe file {path} does not exist", fix="Check the path (see recipes/ for examples).")
+        raise UserError(f"recipe file {path} does not exist", fix=missing_recipe_fix())
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)  # bounded even if the file grows after a size check
@@ -248,9 +250,9 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise UserError(f"is not a text (UTF-8) file: byte 0x{raw[e.start]:02x} at line {line}", str(path),
-                        "A recipe is a YAML text file; start from recipes/quickstart.yaml.") from None
+                        "A recipe is a YAML text file; delft recipe new quickstart my.yaml writes a starter.") from None
     if "\x00" in text:
-        raise UserError("is a binary file, not YAML", str(path), "Start from recipes/quickstart.yaml.")
+        raise UserError("is a binary file, not YAML", str(path), "delft recipe new quickstart my.yaml writes a starter.")
     return text
 
 
