@@ -101,7 +101,10 @@ def _reported(fn, *args, **kwargs):
 
         if not report_error(str(e), e.exit_code):  # a --nproc worker leaves it to the parent, printed once
             # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
-            err_console.print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            from delft.recipe.shipped import cite_shipped_docs
+
+            err_console.print(f"[bold red]{label}:[/] {escape(cite_shipped_docs(str(e)))}", highlight=False,
+                              soft_wrap=True)
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
         if DEBUG:
@@ -150,7 +153,8 @@ def _main(version: bool = typer.Option(False, "--version", is_eager=True, callba
 @app.command()
 @friendly
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    recipe: Path = typer.Argument(..., help="Recipe YAML file, or a built-in recipe's name (quickstart; delft recipe "
+                                  "list)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     resume: Optional[bool] = typer.Option(
         None, "--resume/--no-resume", help="Continue from the run's last checkpoint (default: automatic if one exists)."),
@@ -340,7 +344,7 @@ def study(
 @recipe_app.command("check")
 @friendly
 def recipe_check(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    recipe: Path = typer.Argument(..., help="Recipe YAML file, or a built-in recipe's name (quickstart)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
@@ -379,6 +383,46 @@ def recipe_check(
         from delft.training.preview import show_examples as show
 
         show(cfg, show_examples, console)
+
+
+@recipe_app.command("new")
+@friendly
+def recipe_new(
+    name: str = typer.Argument(..., help="A built-in recipe (quickstart; delft recipe list names them all)."),
+    out: Path = typer.Argument(..., help="The file to write (never overwritten)."),
+):
+    """Write a built-in recipe, with its comments, to a file of your own to edit."""
+    from delft.recipe.starter import write_new_recipe
+
+    written = write_new_recipe(name, out)
+    console.print(f"[green]wrote[/] {written} (from the built-in recipe {name}). Next: delft recipe check {written}, "
+                  f"then delft train {written}", highlight=False)
+
+
+@recipe_app.command("list")
+@friendly
+def recipe_list():
+    """The recipes that come with delft: run one by name (delft train quickstart) or copy it (delft recipe new)."""
+    from delft.recipe.shipped import recipes_dir
+    from delft.recipe.starter import builtin_recipes
+
+    for name, said in builtin_recipes():
+        console.print(f"{name:<42} {said}", highlight=False)
+    console.print(f"\n(files in {recipes_dir()})", highlight=False)
+
+
+@app.command("docs")
+@friendly
+def docs(page: Optional[str] = typer.Argument(None, help="A page (gpu, recipes, refusals, ...); none: list them.")):
+    """Print one of the docs pages that come with delft (Markdown), or list them and where they are."""
+    from delft.recipe.shipped import doc_page, docs_dir
+
+    if page is None:
+        for path in sorted(docs_dir().glob("*.md")):
+            console.print(path.stem, highlight=False)
+        console.print(f"\n(files in {docs_dir()}; delft docs PAGE prints one)", highlight=False)
+        return
+    sys.stdout.write(doc_page(page).read_text(encoding="utf-8"))
 
 
 @recipe_app.command("keys")

@@ -689,7 +689,7 @@ def validate_recipe(data: Any, where: str = "recipe") -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise UserError(f"the recipe must be a mapping of sections, not {type(data).__name__}", where,
-                        "Start from recipes/quickstart.yaml.")
+                        "Start from a starter: delft recipe new quickstart my.yaml.")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
