@@ -369,8 +369,8 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "sgd"] = Field(
         "adamw", description="adamw: AdamW with fp32 states (bitsandbytes' 32-bit AdamW when weights are bf16/fp16, "
         "so the states stay fp32); adamw_8bit: bitsandbytes' 8-bit AdamW (a quarter of the state memory); "
-        "paged_adamw_8bit: the same, its states paged to CPU memory under pressure (both CUDA only); sgd: plain "
-        "SGD with momentum (no state without momentum).")
+        "paged_adamw_8bit: the same, its states paged to CPU memory under pressure (CUDA only; adamw_8bit runs on "
+        "the CPU too); sgd: plain SGD with momentum (no state without momentum).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's beta1 and beta2 (the AdamW optimizers).")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum (0: none).")
     snapshot_steps: list[int] = Field(

@@ -30,6 +30,7 @@ from delft.data.pipeline import load_examples
 from delft.data.prompts import read_completion, render_prompt
 from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
+from delft.models.loading import check_nf4_exact
 from delft.numbers.answers import parse_number
 from delft.numbers.rewards import digit_reward, exact_reward, read_back
 from delft.recipe.schema import Recipe
@@ -163,6 +164,8 @@ class RunDirCallback:
         self.first_step: Optional[int] = None  # the step before the first logged one (a resumed run's checkpoint)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if kwargs.get("model") is not None:  # the step generated its samples: an nf4 layer must not be repacked
+            check_nf4_exact(kwargs["model"])
         if self.run.stops.received is not None:
             control.should_save, control.should_training_stop = True, True
         if state.global_step >= state.max_steps:  # transformers logs on multiples of logging_steps alone
