@@ -218,11 +218,15 @@ def eval_(
 @app.command("inspect")
 @friendly
 def inspect_(
-    targets: List[str] = typer.Argument(..., help="[RECIPE.yaml] [RUN_DIRS for --compare] PROMPT"),
+    targets: List[str] = typer.Argument(..., metavar="[RECIPE.yaml] [RUN_DIR...] PROMPT",
+                                        help="An optional recipe, the run directories to set side by side (with "
+                                        "--compare), then the prompt."),
     model: Optional[str] = typer.Option(None, "--model", help="Base model (overrides the recipe's model.name)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="A run directory (adapter) or merged model."),
     target: Optional[str] = typer.Option(None, "--target", help="Teacher-force this answer instead of generating."),
-    compare: bool = typer.Option(False, "--compare", help="Compare the run directories given before the prompt."),
+    compare: bool = typer.Option(False, "--compare", help="A flag: the arguments between the recipe and the prompt "
+                                 "are run directories, compared side by side (delft inspect --compare runs/ce runs/del "
+                                 "\"What is 17 * 23?\"; base names the base model)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Generation budget for the greedy answer."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number shown here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a heatmap PNG (positions x digits)."),

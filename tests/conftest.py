@@ -23,9 +23,17 @@ from tiny import save_tiny  # noqa: E402
 # failure, so a broken or missing extra never hides its tests there.
 
 
+# Markers that imply slow: the real SmolLM2 and llama.cpp take minutes; `-m "not slow"` must leave out each such test
+# whether or not its author also wrote @pytest.mark.slow.
+IMPLY_SLOW = ("smollm2", "gguf")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
     reasons = {extra: extra_missing(extra) for extra in EXTRAS}
     for item in items:
+        if any(item.get_closest_marker(m) for m in IMPLY_SLOW) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
         for extra, reason in reasons.items():
             if reason and item.get_closest_marker(extra):
                 item.add_marker(pytest.mark.skip(reason=reason))

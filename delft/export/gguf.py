@@ -154,7 +154,7 @@ def prepare_gguf(run_dir, out, types: list[str], lora: bool = False, check: Opti
     have_llama = llama_cpp_available()
     quantised = [t for t in types if t in QUANTISER_TYPES]
     if quantised and not have_llama:
-        raise UserError(f"{', '.join(quantised)} need llama.cpp's quantiser, from llama-cpp-python, which is not "
+        raise UserError(f"{', '.join(quantised)} {'needs' if len(quantised) == 1 else 'need'} llama.cpp's quantiser, from llama-cpp-python, which is not "
                         "installed", "--gguf", f"{INSTALL_HINT} (builds llama.cpp, see docs/export.md), or use "
                         f"{', '.join(CONVERTER_TYPES)}.")
     if check and not have_llama:

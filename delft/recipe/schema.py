@@ -337,6 +337,11 @@ class DataConfig(Section):
     def _source_format(self):
         for name in GENERATED:
             if (self.source == name) != (self.format == name):
+                if self.format == name and "format" not in self.model_fields_set:
+                    raise ValueError(f"source {self.source!r} is not '{name}', so it needs a format (the default, "
+                                     f"'{name}', goes with source '{name}' only): add format: prompt_completion "
+                                     "(fields prompt and completion; other names: data.columns), or alpaca, chat, "
+                                     "gsm8k or svamp")
                 raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
         return self
 
