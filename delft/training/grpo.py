@@ -36,7 +36,6 @@ from delft.numbers.rewards import digit_reward, exact_reward, read_back
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
 from delft.training.checkpoints import check_data_only
-from delft.training.resume import checkpoint_step
 from delft.training.run import Run
 from delft.training.setup import build_model, setup
 
@@ -275,7 +274,7 @@ class GRPOStage:
 
     def open(self, ckpt: Optional[Path]) -> None:
         """TRL's loop loads the checkpoint itself (``train``); its checkpoints go under checkpoints/."""
-        self.resumed = checkpoint_step(ckpt) if ckpt is not None else 0
+        self.resumed = rundir.checkpoint_step(ckpt) if ckpt is not None else 0
         rundir.checkpoints_root(self.run.dir).mkdir(parents=True, exist_ok=True)
 
     def train(self) -> None:

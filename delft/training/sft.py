@@ -40,7 +40,6 @@ from delft.training.heldout import HeldOut
 from delft.training.loggers import Reporters, check_backends
 from delft.training.neftune import add_neftune
 from delft.training.report import peak_memory_gb
-from delft.training.resume import checkpoint_step
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
@@ -174,8 +173,8 @@ class Trainer:
 
     def older_checkpoints(self, ckpt: Path) -> list[Path]:
         """The run's checkpoints older than ``ckpt``, newest first."""
-        step = checkpoint_step(ckpt)
-        return [c for c in reversed(rundir.checkpoints(self.run.dir)) if checkpoint_step(c) < step]
+        step = rundir.checkpoint_step(ckpt)
+        return [c for c in reversed(rundir.checkpoints(self.run.dir)) if rundir.checkpoint_step(c) < step]
 
     def say_damaged(self, ckpt: Path, e: Exception) -> None:
         self.console.print(f"[yellow]checkpoint {ckpt} cannot be read ({type(e).__name__}: "
