@@ -39,6 +39,7 @@ from delft.training.early_stopping import BEST_DIR, BEST_INFO, EarlyStopping
 from delft.training.heldout import HeldOut
 from delft.training.loggers import Reporters, check_backends
 from delft.training.neftune import add_neftune
+from delft.training.progress import ProgressLines
 from delft.training.report import peak_memory_gb
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
@@ -322,6 +323,7 @@ class Trainer:
                       TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                       console=self.console, transient=True) as progress:  # a stop ends the display first
             task = progress.add_task("train", total=total, completed=self.step, stats="")
+            lines = ProgressLines(self.console, total, self.step, dist.is_main())  # a log file's progress
             while self.step < total:
                 out, grad_norm = self.train_step()
                 window_tokens += out["tokens"]
@@ -331,6 +333,7 @@ class Trainer:
                     stats += f"  digit logit {out['digit_logit']:+.1f}  P(digit) {out['p_digit']:.2f}"
                 progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "
                                                                  f"peak {peak_memory_gb(self.setup.device):.2f} GB")
+                lines.step(self.step, out["tokens"])
                 logged, stop = self.after_step(out, grad_norm, rate, stats)
                 if self.root is not None:
                     self.agree_on_signal()
