@@ -3,6 +3,7 @@ recipe's stage trained (delft.training.stages) with the command that resumes it 
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,7 +12,15 @@ from typing import Optional
 from rich.console import Console
 
 from delft.recipe.files import load_recipe
-from delft.training.distributed import Nodes, check_nproc, launched, relaunch, strip_nproc, world_size
+from delft.training.distributed import (
+    LAUNCH_COMMAND_ENV,
+    Nodes,
+    check_nproc,
+    launched,
+    relaunch,
+    strip_nproc,
+    world_size,
+)
 from delft.training.stages import run_training
 
 
@@ -19,12 +28,14 @@ def train_command(recipe: Path, overrides: list[str], resume: Optional[bool], fo
                   oversubscribe: bool, console: Console, nodes: Nodes = Nodes()) -> Path:
     """Train the recipe at ``recipe``; with ``nproc`` given (more than one, or for a sharded run any number) or
     several nodes, this process hands over to torchrun starting ``nproc`` workers on this machine (default 1)."""
+    nodes.check()
     cfg = load_recipe(recipe, overrides)
     sharded = cfg.train.distributed == "fsdp"
+    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     if (nproc or 1) > 1 or nodes.count > 1 or (sharded and nproc is not None):
         check_nproc(nproc or 1, cfg.model.device, oversubscribe)
-        relaunch(nproc or 1, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]), nodes)
-    again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
-    if launched():  # a launcher's worker: the user resumes with the launcher, not with this argv
-        again = f"the same launch command ({again}, started by torchrun or accelerate with {world_size()} processes)"
+        relaunch(nproc or 1, strip_nproc([a for a in sys.argv[1:] if a != "--oversubscribe"]), nodes, again)
+    if launched():  # a launcher's worker: the user resumes with the launch command, not with this argv
+        again = os.environ.get(LAUNCH_COMMAND_ENV) or (f"the same launch command ({again}, started by torchrun or "
+                                                       f"accelerate with {world_size()} processes)")
     return run_training(cfg, resume=resume, force=force, console=console, resume_command=again)

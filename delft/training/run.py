@@ -26,7 +26,7 @@ from delft.outputs import append_line, follow_umask, no_space_is_a_user_error, w
 from delft.recipe.files import dump_recipe
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
-from delft.training.checkpoints import AGAIN, adapter_bytes, check_free_space
+from delft.training.checkpoints import AGAIN, check_free_space, final_bytes
 from delft.training.lock import run_lock
 from delft.training.report import plot_losses
 from delft.training.resume import check_replaceable, check_steps_left, check_writable, prepare_run_dir, truncate_metrics
@@ -197,13 +197,25 @@ def _interrupted(run: Run, trainer: StageTrainer) -> None:
     (143) with the command that resumes the run."""
     step = trainer.step
     path: Optional[Path] = rundir.checkpoint_path(run.dir, step)
-    if path not in rundir.checkpoints(run.dir):
+    sharded = run.recipe.train.distributed == "fsdp"
+    if not _kept(run, path, sharded):
         path = trainer.save_checkpoint()  # None on the ranks other than 0, or before a stage's first step
     run.record(step, trainer.loss_path, status=rundir.INTERRUPTED)
+    if sharded:  # the ranks end together, once rank 0 has recorded the stop: a launcher sees one stopped run
+        dist.barrier("the stop")
     saved = f"Saved {path}" if path is not None else "Nothing was trained yet"
     run.console.print(f"\n[yellow]{run.stops.how}.[/] {saved} (step {step}/{trainer.total_steps}). "
                       f"Resume with: {run.resume_command}")
     raise SystemExit(run.stops.exit_code)
+
+
+def _kept(run: Run, path: Path, sharded: bool) -> bool:
+    """Whether the checkpoint of the stopped step is there already (train.save_steps wrote it). Sharded, rank 0's
+    view decides for all: every rank or none must enter the checkpoint's collectives."""
+    there = path in rundir.checkpoints(run.dir)
+    if sharded:
+        there = bool(dist.all_reduce_floats([float(there and dist.is_main())])[0])
+    return there
 
 
 def _publish(run: Run, trainer: StageTrainer) -> None:
@@ -224,16 +236,18 @@ def _publish(run: Run, trainer: StageTrainer) -> None:
     try:
         with run.stops.atomic():
             _commit(run, trainer, tmp)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised at the commit's end; a stage whose signals wait (fsdp) only recorded it
+        pass
+    if run.stops.received is not None:
         run.console.print(f"\n[yellow]{run.stops.how}.[/] The run had just finished: {run.dir} is complete.")
-        raise SystemExit(run.stops.exit_code) from None
+        raise SystemExit(run.stops.exit_code)
 
 
 def _write_final(run: Run, trainer: StageTrainer, tmp: Path) -> None:
     """The stage's final files in ``tmp``, the free space checked first; a disk that fills while they are written
     is one paragraph, and ``tmp`` is removed."""
     shutil.rmtree(tmp, ignore_errors=True)
-    check_free_space(run.dir, adapter_bytes(trainer.model) + 2**24, f"{trainer.what} and tokenizer")
+    check_free_space(run.dir, final_bytes(trainer.model, trainer.setup.tokenizer), f"{trainer.what} and tokenizer")
     with no_space_is_a_user_error(run.dir, "output.dir", AGAIN, partial=tmp):
         trainer.write_final(tmp)
     follow_umask(tmp)
