@@ -214,12 +214,16 @@ def short_bins(per_bin: int, tasks: Sequence[str], lengths: Iterable[int],
     return out
 
 
+def bins_text(short: Sequence[str]) -> str:
+    """``short_bins``' answer in a sentence: the first four, and how many more."""
+    return "; ".join(short[:4]) + (f"; and {len(short) - 4} more" if len(short) > 4 else "")
+
+
 def refuse_short_bins(short: Sequence[str], per_bin: int, where: str = "number tasks") -> None:
     """The UserError for ``short_bins``' answer, if it named any."""
     if short:
-        listed = "; ".join(short[:4]) + (f"; and {len(short) - 4} more" if len(short) > 4 else "")
         raise UserError(f"{per_bin:,} problems per bin were asked for, and some bins hold fewer distinct problems: "
-                        f"{listed}. Short numbers have few problems, and an eval draw leaves out the training "
+                        f"{bins_text(short)}. Short numbers have few problems, and an eval draw leaves out the training "
                         "problems (nothing was drawn)",
                         where, "Ask for fewer problems per bin (per_bin), or leave the shortest lengths out "
                         "(min_length: 2 or more).")

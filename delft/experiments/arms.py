@@ -25,6 +25,7 @@ from delft.recipe.keys import flat_keys, recipe_differences
 from delft.recipe.schema import Recipe
 from delft.rundir import RECIPE, has_files, is_finished_run, is_run_dir, latest_checkpoint, metrics_rows, read_info
 from delft.training.resume import BOOKKEEPING_KEYS
+from delft.training import distributed as dist
 from delft.training.stages import run_training
 
 
@@ -81,6 +82,31 @@ _RECIPE_HINTS = {
 }
 
 
+_SHARDED_ARMS = ("Train each arm sharded with delft train ARM.yaml --nproc N, one run per arm and seed (--set "
+                 "output.dir=runs/ARM-sS --set train.seed=S), then score them together, once, with delft eval "
+                 "ARM.yaml RUN... (or set train.distributed: ddp in the arms, which {command} trains here).")
+
+
+def check_one_process(command: str, where: str) -> None:
+    """compare and study train, evaluate and write their results in one process: under a launcher every rank
+    would train each arm, evaluate it and write the same results folder."""
+    if dist.launched():
+        raise UserError(f"{command} runs as one process, and this one was started by a launcher (torchrun, "
+                        f"{dist.world_size()} process(es)): every rank would train each arm, evaluate it and write "
+                        "the same results folder", where, f"Run {command} without torchrun. "
+                        + _SHARDED_ARMS.format(command=command))
+
+
+def check_unsharded(contenders: Sequence["Contender"], command: str, where: str) -> None:
+    """An arm with train.distributed fsdp needs several processes, which compare and study do not start."""
+    sharded = [c.path.name for c in contenders if c.recipe.train.distributed == "fsdp"]
+    if sharded:
+        raise UserError(f"{', '.join(sharded)} shard{'s' if len(sharded) == 1 else ''} the model with "
+                        f"train.distributed fsdp, which trains on several processes started together, and {command} "
+                        "trains its arms one after another in this one process (it has no --nproc)", where,
+                        _SHARDED_ARMS.format(command=command))
+
+
 def _unique_paths(paths: Sequence[Path], command: str, where: str) -> list[Path]:
     hints = _RECIPE_HINTS[command]
     if not paths:
@@ -102,6 +128,7 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
     """Load the recipes, drop shared bases, and refuse any that differ in more than their loss. ``command``
     (delft compare or delft study) words the refusals, ``where`` (default: the command) places them."""
     where = where or command
+    check_one_process(command, where)
     unique = _unique_paths(paths, command, where)
     bases = {b.resolve() for p in unique for b in recipe_chain(p)[1:]}
     contenders = []
@@ -110,6 +137,7 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             console.print(f"[dim]{p}: the shared base of the other recipes, not a run of its own[/]")
             continue
         contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
+    check_unsharded(contenders, command, where)
     if len(contenders) < 2:
         raise UserError(f"{command.split()[-1]} needs at least two recipes to compare, got {len(contenders)} "
                         f"({', '.join(str(c.path) for c in contenders)}; a recipe the others extend is their "

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from delft.data.number_tasks import MAX_LENGTH as NUPA_MAX_LENGTH
 from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
-from delft.data.number_tasks import drawn_counts, short_bins
+from delft.data.number_tasks import bins_text, drawn_counts, short_bins
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
@@ -270,7 +270,7 @@ class NupaConfig(Section):
             raise ValueError(f"min_length ({self.min_length}) is larger than max_length ({self.max_length})")
         short = short_bins(self.per_bin, self.tasks, self.lengths())
         if short:
-            raise ValueError(f"per_bin {self.per_bin} is more than some bins hold: {nupa_bins_text(short)}; ask "
+            raise ValueError(f"per_bin {self.per_bin} is more than some bins hold: {bins_text(short)}; ask "
                              "for fewer per bin, or leave the shortest lengths out (a larger min_length)")
         return self
 
@@ -280,10 +280,6 @@ class NupaConfig(Section):
     def drawn(self, limit: Optional[int] = None) -> dict[tuple[str, int], int]:
         """How many problems each (task, length) bin gives to this draw's first ``limit`` problems."""
         return drawn_counts(self.per_bin, self.tasks, self.lengths(), limit)
-
-
-def nupa_bins_text(short: list[str]) -> str:
-    return "; ".join(short[:4]) + (f"; and {len(short) - 4} more" if len(short) > 4 else "")
 
 
 class NumbersConfig(Section):
@@ -628,7 +624,7 @@ class Recipe(Section):
         if short:
             key = "eval.data.nupa" if self.eval.data is not None else "data.nupa"
             raise ValueError(f"{key}.per_bin {test.nupa.per_bin}: the eval set draws that many per bin without the "
-                             f"training problems, and some bins hold too few for both: {nupa_bins_text(short)}; ask "
+                             f"training problems, and some bins hold too few for both: {bins_text(short)}; ask "
                              "for fewer per bin, or leave the shortest lengths out (a larger min_length)")
         return self
 

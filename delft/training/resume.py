@@ -76,13 +76,7 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         saved = load_run_recipe(run_dir)
         if predates_separator(run_dir):  # the run goes on with the prompts it started with
             keep_legacy_separator(recipe)
-        # the saved recipe is the one inside run_dir: another output.dir in it only says the directory was moved
-        # or renamed since (or is named by another path), and it is this directory that is resumed
-        diff = recipe_differences(saved, recipe, (*RESUME_FREE_KEYS, "output.dir"))
-        diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
-        if saved.output.dir != recipe.output.dir and Path(saved.output.dir).absolute() != run_dir.absolute():
-            console.print(f"{run_dir} was trained as {saved.output.dir}: resuming it where it is now.",
-                          highlight=False)
+        diff = resume_differences(run_dir, saved, recipe, console)
         if diff:
             raise UserError(f"{run_dir} holds a checkpoint of a run with a different recipe ({', '.join(diff)} "
                             "differ)", "output.dir",
@@ -96,6 +90,17 @@ def prepare_run_dir(recipe: Recipe, resume: Optional[bool], force: bool,
         raise UserError(f"{run_dir} already exists and holds {what}", "output.dir",
                         "Choose another output.dir or pass --force to replace it.")
     return run_dir, None, False
+
+
+def resume_differences(run_dir: Path, saved: Recipe, recipe: Recipe, console: Console) -> list[str]:
+    """The keys in which ``recipe`` may not differ from the recipe saved in ``run_dir`` and does. That recipe is
+    the one inside run_dir: another output.dir in it only says the directory was moved or renamed since (or is
+    named by another path), and it is this directory that is resumed."""
+    diff = recipe_differences(saved, recipe, (*RESUME_FREE_KEYS, "output.dir"))
+    diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
+    if saved.output.dir != recipe.output.dir and Path(saved.output.dir).absolute() != run_dir.absolute():
+        console.print(f"{run_dir} was trained as {saved.output.dir}: resuming it where it is now.", highlight=False)
+    return diff
 
 
 def check_steps_left(ckpt: Path, total_steps: int) -> None:
