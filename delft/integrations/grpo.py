@@ -24,19 +24,23 @@ rewards read are refused at construction. With mu = 0 throughout, the trainer is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from delft.data.batches import Tokenized, collate
 from delft.errors import UserError
-from delft.integrations.digit_options import check_mu, digit_loss_options
-from delft.losses.misuse import callers_words, check_number_rows, output_layer
-from delft.losses.modules import DigitLoss
+from delft.integrations.digit_options import (DigitLossFields, DigitLossValueError, check_mu, check_resume,
+                                             check_resume_mismatch, config_digit_loss, digit_loss_options,
+                                             digit_trainer_building, save_settings)
+from delft.integrations.hf import build_digit_loss, resumed_checkpoint
+from delft.losses.misuse import check_number_rows, output_layer
+from delft.losses.registry import LOSS_TYPES
 from delft.models.loading import last_hidden_states
 from delft.numbers.rewards import answer_column_of, digit_reward, exact_reward
 from delft.numbers.tokens import IGNORE
 
-__all__ = ["DigitGRPOTrainer", "add_gold_columns", "digit_reward", "exact_reward", "gold_ids", "mu_at"]
+__all__ = ["DigitGRPOConfig", "DigitGRPOTrainer", "add_gold_columns", "digit_reward", "exact_reward", "gold_ids", "mu_at"]
 
 GOLD_COLUMNS = ("gold_input_ids", "gold_labels")
 
@@ -45,6 +49,48 @@ def _grpo_trainer():
     from trl import GRPOTrainer
 
     return GRPOTrainer
+
+
+def _grpo_config():
+    from trl import GRPOConfig
+
+    return GRPOConfig
+
+
+@dataclass
+class DigitGRPOConfig(DigitLossFields, _grpo_config()):
+    """TRL's ``GRPOConfig`` with the auxiliary term as fields (``--aux_mu 0.9 --aux_mu_end 0.05 --digit_loss_type
+    del_prob``), for TRL's config files and ``TrlParser``; ``DigitGRPOTrainer`` reads them from its args, and any
+    other trainer given one is refused (it would train without the auxiliary term)."""
+
+    digit_loss_type: str = field(default="ce", metadata={
+        "help": "The auxiliary term's loss on the gold solutions: CE ('ce') or CE + weight x a digit term "
+        "(docs/losses.md).", "choices": list(LOSS_TYPES)})
+    aux_mu: float = field(default=0.0, metadata={"help": "mu of the auxiliary term (0: GRPO alone)."})
+    aux_mu_end: Optional[float] = field(default=None, metadata={
+        "help": "Decay mu linearly to this by the last step (CHORD: 0.9 to 0.05); unset: mu throughout."})
+
+    _digit_trainer = "DigitGRPOTrainer"
+    _DEFAULT_TYPE = "ce"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_mu(aux_mu=self.aux_mu, aux_mu_end=self.aux_mu_end)
+
+
+def _aux_from_config(config, aux_mu, aux_mu_end) -> tuple[float, Optional[float]]:
+    """(aux_mu, aux_mu_end): the arguments, or a DigitGRPOConfig's fields; both set is refused."""
+    if not isinstance(config, DigitGRPOConfig):
+        return (0.0 if aux_mu is None else aux_mu), aux_mu_end
+    given = {k: v for k, v in (("aux_mu", aux_mu), ("aux_mu_end", aux_mu_end)) if v is not None}
+    if given and (config.aux_mu != 0.0 or config.aux_mu_end is not None):
+        raise DigitLossValueError(
+            f"DigitGRPOTrainer got {', '.join(f'{k}={v!r}' for k, v in given.items())} and a DigitGRPOConfig whose "
+            f"fields say aux_mu={config.aux_mu!r}, aux_mu_end={config.aux_mu_end!r}",
+            fix="Set the auxiliary weight in one place: the config's fields or the trainer's arguments.")
+    if given:
+        return given.get("aux_mu", 0.0), given.get("aux_mu_end")
+    return config.aux_mu, config.aux_mu_end
 
 
 @dataclass
@@ -71,14 +117,20 @@ _COLUMNS_FIX = ("Build the gold columns from TRL's prompt/completion columns wit
 class DigitGRPOTrainer(_grpo_trainer()):
     """TRL's ``GRPOTrainer`` plus mu x delft's SFT loss on the gold solutions (see the module docstring)."""
 
-    def __init__(self, *args, digit_loss: Optional[dict] = None, aux_mu: float = 0.0,
-                 aux_mu_end: Optional[float] = None, **kwargs):
+    def __init__(self, *args, digit_loss: Optional[dict] = None, aux_mu: Optional[float] = None,
+                 aux_mu_end: Optional[float] = None, digit_loss_resume_mismatch: Optional[str] = None, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)  # GRPOTrainer(model, reward_funcs, args)
+        digit_loss, mismatch = config_digit_loss(config, digit_loss, digit_loss_resume_mismatch, "DigitGRPOTrainer")
+        aux_mu, aux_mu_end = _aux_from_config(config, aux_mu, aux_mu_end)
         check_mu(aux_mu=aux_mu, aux_mu_end=aux_mu_end)  # before the Trainer loads anything
         opts = digit_loss_options(digit_loss, default_type="ce")
-        super().__init__(*args, **kwargs)
-        with callers_words('pass digit_loss={"type": "ce"} to DigitGRPOTrainer (CE alone)'):
-            self.digit_loss = DigitLoss(self.processing_class, opts.pop("type", "ce"), **opts)
+        self.digit_loss_resume_mismatch = check_resume_mismatch(mismatch)
+        with digit_trainer_building(config):
+            super().__init__(*args, **kwargs)
+        self.digit_loss = build_digit_loss(self.processing_class, opts, "DigitGRPOTrainer")
         self.aux_mu, self.aux_mu_end = float(aux_mu), aux_mu_end
+        # what digit_loss.json records with each checkpoint, and a resume compares
+        self.aux_settings = {**opts, "aux_mu": self.aux_mu, "aux_mu_end": aux_mu_end}
         self._gold: Optional[GoldBatch] = None
         self._check_columns(getattr(self.train_dataset, "column_names", None), "train_dataset")
         if self.aux_on:
@@ -100,6 +152,24 @@ class DigitGRPOTrainer(_grpo_trainer()):
             raise UserError(f"DigitGRPOTrainer: {where} has no column {', '.join(map(repr, missing))}, which "
                             f"{needed[missing[0]]} reads (its columns: {', '.join(map(str, columns)) or 'none'})",
                             fix=_COLUMNS_FIX)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model, trial) -> None:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            save_settings(folder, self.aux_settings)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """TRL's ``train``, refusing (before anything loads) a checkpoint whose ``digit_loss.json`` holds another
+        auxiliary term (digit loss, aux_mu, aux_mu_end), unless ``digit_loss_resume_mismatch="allow"``."""
+        checkpoint = resumed_checkpoint(self, resume_from_checkpoint)
+        check_resume(checkpoint, self.aux_settings, self.digit_loss_resume_mismatch,
+                     name="digit_loss, aux_mu and aux_mu_end")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     @property
     def aux_on(self) -> bool:
