@@ -358,19 +358,25 @@ def recipe_check(
     show_examples: int = typer.Option(0, "--show-examples", min=0, help="Print the first N training examples as "
                                       "the trainer tokenizes them: masked and trained spans, the digits the loss "
                                       "scores and their places."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Look relative data paths up here, as delft "
+                                            "study --data-dir does (a study's recipes and eval sets)."),
 ):
-    """Validate a recipe and print it with every default resolved."""
+    """Validate a recipe (or a study file and its recipes) and print it with every default resolved."""
     from rich.syntax import Syntax
 
     from delft.recipe.files import dump_recipe, load_recipe
+    from delft.recipe.shipped import resolve_recipe
+    from delft.recipe.studies import is_study_file
     from delft.planning.memory import parse_memory
-    from delft.training.precheck import check_before_loading
 
     if gpu_memory is not None:
         parse_memory(gpu_memory)  # a bad budget is refused before the plan is worked out and printed
+    if is_study_file(resolve_recipe(recipe)):
+        _check_study(resolve_recipe(recipe), data_dir, set_)
+        return
     cfg = load_recipe(recipe, [*set_, *([f"train.distributed={distributed}"] if distributed else [])])
     try:
-        check_before_loading(cfg)  # train's own checks before loading: "valid" means train gets past them here
+        _check_recipe(cfg, resolve_recipe(recipe), data_dir)
     except UserError as e:
         if not plan:
             raise
@@ -387,6 +393,56 @@ def recipe_check(
         from delft.training.preview import show_examples as show
 
         show(cfg, show_examples, console)
+
+
+def _check_recipe(cfg, path: Path, data_dir: Optional[Path]) -> None:
+    """train's own checks before loading ("valid" means train gets past them here), a relative data file looked up
+    in ``data_dir`` first; a study's recipe whose data file is not here passes with a note (the study finds it in
+    its --data-dir)."""
+    from delft.recipe.studies import studies_training
+    from delft.training.precheck import check_before_loading, local_data_file
+
+    source = Path(cfg.data.source).expanduser()
+    relative_file = local_data_file(cfg.data.source, cfg.data.format) and not source.is_absolute()
+    if relative_file and data_dir is not None:
+        if not (data_dir / source).exists() and not source.exists():
+            raise UserError(f"data file {source} is neither in --data-dir {data_dir} nor here", "data.source",
+                            "Pass --data-dir the folder that holds it, or fix data.source.")
+        if (data_dir / source).exists():
+            cfg.data.source = str(data_dir / source)
+    try:
+        check_before_loading(cfg)
+    except UserError as e:
+        studies = studies_training(path) if relative_file and not Path(cfg.data.source).exists() else []
+        if e.where != "data.source" or data_dir is not None or not studies:
+            raise
+        console.print(f"[yellow]note:[/] data file {source} is not here, so its rows were not checked: {path} is "
+                      f"trained by {studies[0]}, which looks it up in delft study --data-dir DIR (delft recipe check "
+                      f"{path} --data-dir DIR checks it too)", highlight=False, soft_wrap=True)
+
+
+def _check_study(path: Path, data_dir: Optional[Path], overrides: List[str]) -> None:
+    """A study file, its recipes (each as recipe check checks one, compared as delft study compares them) and its
+    eval sets; data files that are not here are named, and pass only where no --data-dir was given."""
+    from delft.experiments.arms import resolve_contenders
+    from delft.experiments.study import eval_data, load_study
+
+    study = load_study(path)
+    contenders = resolve_contenders([path.parent / r for r in study.recipe_files()], overrides, console,
+                                    "delft study", f"{path}: recipes")
+    for c in contenders:
+        _check_recipe(c.recipe, c.path, data_dir)
+    for name, spec in study.evals.items():
+        try:
+            eval_data(name, spec, contenders[0].recipe, data_dir)
+        except UserError as e:
+            if data_dir is not None or "does not exist" not in e.what:
+                raise
+            console.print(f"[yellow]note:[/] eval set {name}: {escape(e.what)}; the study looks it up in delft study "
+                          f"--data-dir DIR", highlight=False, soft_wrap=True)
+    runs = len(contenders) * len(study.seeds)
+    console.print(f"[green]ok[/] {path}: valid study file: {len(contenders)} recipes x {len(study.seeds)} seeds = "
+                  f"{runs} runs, eval sets {', '.join(study.evals)}, results in {study.out}", highlight=False)
 
 
 @recipe_app.command("new")
