@@ -11,6 +11,7 @@ from helpers import REPO, run_cli, write_yaml
 from delft.errors import UserError
 from delft.export.gguf import prepare_gguf
 from delft.models.sources import resolve_model
+from delft.training.precheck import thread_choice
 
 
 def words(result) -> str:
@@ -66,3 +67,21 @@ def test_real_model_and_llama_cpp_tests_are_slow_by_their_marker():
                              "-m", "smollm2 or gguf", *files], cwd=REPO, capture_output=True, text=True, timeout=300)
     heavy = {line for line in marked.stdout.splitlines() if "::" in line}
     assert heavy and not heavy & set(ids["not slow"]), heavy & set(ids["not slow"])
+
+
+@pytest.mark.parametrize("load, env, chosen", [
+    (9.0, {}, 1),  # busy: one thread, said
+    (1.0, {}, None),  # free: torch's own count
+    (9.0, {"OMP_NUM_THREADS": "2"}, None),  # the user chose
+    (9.0, {"DELFT_THREADS": "3"}, 3), (1.0, {"DELFT_THREADS": "1"}, 1)])
+def test_delft_chooses_the_threads_for_the_machines_load_and_a_setting_overrides_it(load, env, chosen):
+    threads, note = thread_choice(load, 2, 2, env)
+    assert threads == chosen
+    assert (note is not None) == (chosen is not None)
+    if env == {}:
+        assert note is None or ("torch runs 1 thread a process instead of 2" in note and "DELFT_THREADS=N" in note)
+
+
+def test_a_bad_thread_setting_is_refused():
+    with pytest.raises(UserError, match="DELFT_THREADS='many'"):
+        thread_choice(0.0, 2, 2, {"DELFT_THREADS": "many"})

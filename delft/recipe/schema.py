@@ -336,7 +336,7 @@ class DataConfig(Section):
                 if self.format == name and "format" not in self.model_fields_set:
                     raise ValueError(f"source {self.source!r} is not '{name}', so it needs a format (the default, "
                                      f"'{name}', goes with source '{name}' only): add format: prompt_completion "
-                                     "(fields prompt and completion; other names: data.columns), or alpaca, chat, "
+                                     "(fields prompt and completion), or alpaca, chat, "
                                      "gsm8k or svamp")
                 raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
         return self

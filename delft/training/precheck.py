@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from delft.data.sources import is_data_file
+from delft.errors import UserError
 from delft.data.pipeline import check_not_all_empty, load_examples
 from delft.models.context import check_max_length
 from delft.models.loading import (
@@ -82,16 +83,38 @@ def busy_machine(load: float, cores: int, threads: int) -> Optional[str]:
             "script); see docs/performance.md")
 
 
+THREADS_ENV = "DELFT_THREADS"
+
+
+def thread_choice(load: float, cores: int, threads: int, env: dict) -> tuple[Optional[int], Optional[str]]:
+    """(threads to set, or None to keep torch's; what to say) for a CPU run: DELFT_THREADS when given; torch's own
+    count where OMP_NUM_THREADS is set (the user chose) or the machine is free; one thread on a busy machine (load
+    above the cores), where more would wait on each other."""
+    raw = env.get(THREADS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise UserError(f"{THREADS_ENV}={raw!r} is not a number of threads", THREADS_ENV,
+                            "Give 1 or more, or unset it to let delft choose from the machine's load.")
+        return int(raw), f"torch runs {int(raw)} thread{'s' if int(raw) > 1 else ''} a process ({THREADS_ENV})"
+    if env.get("OMP_NUM_THREADS") or busy_machine(load, cores, threads) is None:
+        return None, None
+    return 1, (f"the CPU is busy (load {load:.1f} on {cores} cores), so torch runs 1 thread a process instead of "
+               f"{threads}, which would wait on each other (as OMP_NUM_THREADS=1 would). {THREADS_ENV}=N or "
+               "OMP_NUM_THREADS=N chooses instead; see docs/performance.md")
+
+
 def note_busy_machine(device_pref: str, console) -> None:
-    """Print busy_machine's note at train start on the CPU (nothing on a GPU run or where there is no load)."""
+    """On the CPU, set torch's thread count as ``thread_choice`` says and print why (nothing on a GPU run)."""
     import torch
 
-    if not hasattr(os, "getloadavg") or resolve_device(device_pref) != "cpu":
+    if resolve_device(device_pref) != "cpu":
         return
     try:
-        load = os.getloadavg()[0]
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     except OSError:  # no load average on this system
-        return
-    note = busy_machine(load, os.cpu_count() or 1, torch.get_num_threads())
+        load = 0.0
+    threads, note = thread_choice(load, os.cpu_count() or 1, torch.get_num_threads(), dict(os.environ))
+    if threads is not None:
+        torch.set_num_threads(threads)
     if note:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
