@@ -67,7 +67,7 @@ def t_test(per_seed: Sequence[float], level: float = LEVEL) -> dict:
     half = t_quantile(1 - (1 - level) / 2, k - 1) * se
     p = float(2 * stats.t.sf(abs(mean) / se, k - 1))
     return {"per_seed": [float(x) for x in d], "difference": mean, "ci": [mean - half, mean + half], "p": p,
-            "df": k - 1, "p_from": "t"}
+            "df": k - 1, "p_from": "t", "se": se}
 
 
 def sign_flip_test(per_seed: Sequence[float], samples: int = SIGN_FLIP_SAMPLES, seed: int = 0) -> dict:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, Union
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from rich.console import Console
 from rich.table import Table
 
@@ -47,12 +47,17 @@ from delft.experiments.arms import reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
 from delft.experiments.power import (
+    ALPHA,
     PLAN_COLUMNS,
+    Unpiloted,
     comparisons,
+    control_flags,
+    endpoint_floors,
+    endpoint_lines,
+    flag_lines,
     plan_cells,
     plan_rows,
     read_pilot,
-    transition_plan_line,
 )
 from delft.experiments.seed_level import MARGIN, analyse, analysis_renderables
 from delft.experiments.seed_tests import POWER
@@ -74,6 +79,7 @@ from delft.recipe.schema import (
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)
 HUB_SPLIT = "test"  # the split a hub eval set reads unless its `split` says otherwise
+EXACT_TEST_SEEDS = 6  # below this the exact tests' smallest p, 2 / 2^seeds, is 0.0625 or more
 
 
 class EvalSet(Section):
@@ -100,6 +106,16 @@ class Arm(Section):
     recipe: str = Field(..., min_length=1, description="A recipe file relative to the study file.")
     control: bool = Field(False, description="A positive control: a loss expected to move the metric, which shows "
                           "whether the design can see a digit-loss effect at all (the summary says if it moved).")
+    calibrator: bool = Field(False, description="A calibrator: a loss with a known cost, expected below the "
+                             "reference. It is tested alone at p < 0.05 (outside Holm's family); where it does not "
+                             "come out below, the design is insensitive and no other arm is read there (the summary "
+                             "says so first).")
+
+    @model_validator(mode="after")
+    def _one_role(self):
+        if self.control and self.calibrator:
+            raise ValueError("an arm is a control (expected up) or a calibrator (expected down), not both")
+        return self
 
 
 class PowerPlan(Section):
@@ -108,7 +124,12 @@ class PowerPlan(Section):
                                          "(the standard deviation of the effect over seeds). `delft study --plan` "
                                          "adds the problems' own noise (at worst, for right/wrong answers).")
     pilot: Optional[str] = Field(None, min_length=1, description="Or: an earlier study's study.json (or its out "
-                                 "folder), relative to this file, whose seeds give the spread per set and recipe.")
+                                 "folder), relative to this file, whose seeds give the spread per set and recipe "
+                                 "(the upper end of its 95 % interval: a few seeds' spread is a rough estimate). It "
+                                 "must have run every arm the study plans for.")
+    problem_variance: Optional[float] = Field(None, ge=0, le=1, description="With seed_spread: the per-problem "
+                                              "variance of a paired right/wrong difference (default 0.5, the "
+                                              "worst case); state where the figure comes from.")
 
 
 class StudyConfig(Section):
@@ -129,6 +150,11 @@ class StudyConfig(Section):
                           "worse when the t test over seeds, Holm-adjusted, gives p < 0.05; equivalent when the t "
                           "interval over seeds lies inside +-margin and a control moved up on that set; not readable "
                           "on a floor or when no control moved; otherwise inconclusive.")
+    decide: Literal["t", "two_way", "sign_flip", "wilcoxon"] = Field(
+        "t", description="The test that decides: t (the paired t test over seeds), two_way (the seed x problem "
+        "random-effects interval: where every seed sees the same problems and they carry the spread, as in LoRA "
+        "fine-tuning), sign_flip or wilcoxon (exact, distribution-free: from scratch with 8 or more seeds). Other "
+        "than t, equivalence is TOST at +-margin.")
     learns_at: Optional[float] = Field(None, gt=0, le=1, description="A held-out exact-match share (e.g. 0.5) at "
                                        "which a run counts as having learned the task: the study reports each run's "
                                        "first step there and the seeds that get there, against the reference, from "
@@ -143,6 +169,17 @@ class StudyConfig(Section):
     def controls(self) -> list[str]:
         """The names (file stems) of the positive-control recipes."""
         return [Path(r.recipe).stem for r in self.recipes if isinstance(r, Arm) and r.control]
+
+    def calibrators(self) -> list[str]:
+        """The names (file stems) of the calibrator recipes (a known cost, expected below the reference)."""
+        return [Path(r.recipe).stem for r in self.recipes if isinstance(r, Arm) and r.calibrator]
+
+    @model_validator(mode="after")
+    def _exact_tests_need_seeds(self):
+        if self.decide in ("sign_flip", "wilcoxon") and len(self.seeds) < EXACT_TEST_SEEDS:
+            raise ValueError(f"decide: {self.decide} with {len(self.seeds)} seeds cannot reach p < 0.05 (its smallest "
+                             f"p is 2 / 2^seeds); give {EXACT_TEST_SEEDS} or more seeds, or decide: t")
+        return self
 
     @field_validator("curve")
     @classmethod
@@ -444,9 +481,10 @@ def _prepare(study: StudyConfig, path: Path, data_dir: Optional[Path], overrides
 
 def _check_controls_and_curve(study: StudyConfig, contenders, cfg0: Recipe, path: Path) -> None:
     ref = reference_name(contenders)
-    if ref in study.controls():
-        raise UserError(f"the reference recipe {ref} is marked control: a control is compared with the reference",
-                        f"{path}: recipes", "Mark the loss expected to move the metric, not the plain-CE one.")
+    if ref in study.controls() or ref in study.calibrators():
+        raise UserError(f"the reference recipe {ref} is marked control or calibrator: either is compared with the "
+                        "reference", f"{path}: recipes", "Mark the loss expected to move the metric, not the plain-CE "
+                        "one.")
     if study.curve:
         if cfg0.train.max_steps is None:
             raise UserError("a curve needs the recipes' train.max_steps (its steps are counted against it)",
@@ -485,7 +523,8 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
         "delft_version": __version__, "command": command, "study": str(path), "description": study.description,
         "settings": {"base_model": base, "recipes": {c.name: str(c.path) for c in contenders},
                      "losses": {c.name: c.recipe.loss.model_dump(mode="json") for c in contenders},
-                     "controls": study.controls(), "margin": study.margin,
+                     "controls": study.controls(), "calibrators": study.calibrators(), "decide": study.decide,
+                     "margin": study.margin,
                      "margin_stated": "margin" in study.model_fields_set, "plan": _plan(study, path, contenders),
                      "curve": study.curve, "learns_at": study.learns_at,
                      "seeds": study.seeds, "recipe": cfg0.to_dict(),
@@ -501,27 +540,42 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
 
 def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     """The detectable difference of every comparison the study will make, from its stated or piloted spread
-    (delft.experiments.power); None when the file states neither."""
+    (delft.experiments.power), the endpoints' smallest p (those that cannot reach the level: descriptive, outside
+    Holm's family) and the controls that did not move in the pilot; None when the file states no spread."""
     spec = study.plan
     if spec.seed_spread is None and spec.pilot is None:
         return None
-    if spec.seed_spread is not None and spec.pilot is not None:
-        raise UserError("plan states both seed_spread and pilot", f"{path}: plan", "Keep the one the plan rests on.")
+    if spec.problem_variance is not None and spec.seed_spread is None:
+        raise UserError("plan.problem_variance is stated without plan.seed_spread", f"{path}: plan",
+                        "State the seed spread it goes with, or drop problem_variance (a pilot measures it).")
     ref = reference_name(contenders)
     names = [ref] + [c.name for c in contenders if c.name != ref]
     greedy = {key: s.limit for key, s in study.evals.items() if s.mode == "greedy"}
     pilot = read_pilot(path.parent / spec.pilot, f"{path}: plan.pilot") if spec.pilot else None
     planned = comparisons(names, greedy, bool(study.curve))
-    endpoints = 2 * (len(names) - 1) if study.learns_at is not None else 0  # steps sooner, learned: in Holm's family
+    endpoints = endpoint_floors(names, len(study.seeds), pilot) if study.learns_at is not None else []
+    calibrators = study.calibrators()
+    family = len([r for r in planned if r["recipe"] not in calibrators]) + sum(
+        not e["descriptive"] and e["recipe"] not in calibrators for e in endpoints)
     try:
-        rows = plan_rows(planned, len(study.seeds), study.margin, spec.seed_spread, pilot, len(planned) + endpoints)
+        rows = plan_rows(planned, len(study.seeds), study.margin, spec.seed_spread, pilot, family, study.decide,
+                         spec.problem_variance, calibrators)
+    except Unpiloted as e:
+        missing = ", ".join(f"{r} on {s}" for s, r in e.args[0])
+        raise UserError(f"the pilot {spec.pilot} did not run {missing}: a pilot must run every arm it plans for "
+                        "(another arm's spread may be far smaller)", f"{path}: plan.pilot",
+                        "Pilot every arm (2 or more seeds on the same set), or state plan.seed_spread for the arms "
+                        "the pilot lacks (with both, the pilot's bound covers the arms it ran).") from None
     except ValueError:
         raise UserError(f"the pilot {spec.pilot} has no greedy set on which a recipe ran 2 or more seeds beside its "
                         "reference, so it shows no spread between seeds", f"{path}: plan.pilot",
                         "Give a pilot study with 2 or more seeds, or state plan.seed_spread.") from None
-    return {"margin_points": study.margin, "source": "seed_spread" if spec.seed_spread is not None else spec.pilot,
-            "rows": rows, "transition_endpoints": endpoints,
-            "sign_flip_floor": 2 / 2 ** len(study.seeds) if endpoints else None}
+    return {"margin_points": study.margin, "decide": study.decide,
+            "source": " and ".join(x for x in ("seed_spread" if spec.seed_spread is not None else "", spec.pilot or "")
+                                   if x),
+            "rows": rows, "family": family, "endpoints": endpoints,
+            "descriptive": [{"recipe": e["recipe"], "metric": e["metric"]} for e in endpoints if e["descriptive"]],
+            "flags": control_flags(pilot, study.controls(), calibrators)}
 
 
 def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
@@ -536,15 +590,20 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
         raise UserError("the study file states no spread between seeds, so there is nothing to compute power from",
                         f"{path}: plan", "State plan.seed_spread (points: how much the effect varies from seed to "
                         "seed) or plan.pilot (an earlier study.json with 2 or more seeds).")
-    table = Table(title=f"delft study --plan: {len(study.seeds)} seeds, {100 * POWER:.0f} % power, t test over seeds "
-                        f"at Holm's strictest step (level {plan['rows'][0]['alpha']:.3g})")
-    for column in PLAN_COLUMNS:
-        table.add_column(column)
+    test = {"t": "t test over seeds", "two_way": "two-way interval over seeds and problems"}.get(
+        study.decide, f"{study.decide} test over seeds")
+    table = Table(title=f"delft study --plan: {len(study.seeds)} seeds, {100 * POWER:.0f} % power, {test} at Holm's "
+                        f"strictest step over {plan['family']} comparisons (a calibrator: alone, at {ALPHA:g})")
+    names = [r["set"] for r in plan["rows"]] + [r["recipe"] for r in plan["rows"]]
+    for column in PLAN_COLUMNS:  # names whole: a cut one ('held_o...') reads as another set
+        table.add_column(column, min_width=max(map(len, names)) if column in ("set", "recipe") else None)
     for r in plan["rows"]:
         table.add_row(*plan_cells(r, study.margin))
     console.print(table)
-    if plan["transition_endpoints"]:
-        console.print(transition_plan_line(plan))
+    for line in endpoint_lines(plan):
+        console.print(line, highlight=False)
+    for line in flag_lines(plan):
+        console.print(f"[yellow]warning:[/] {line[2:]}", highlight=False)
     wide = [r for r in plan["rows"] if r["above_margin"]]
     if wide:
         console.print(f"[yellow]warning:[/] {len(wide)} of {len(plan['rows'])} comparisons cannot detect a difference "

@@ -84,7 +84,7 @@ def test_the_rows_join_holm_with_the_sign_flip_p_and_read_in_their_units(tmp_pat
     assert rows[0]["holm_p"] == pytest.approx(min(1.0, 2 * min(r["sign_flip"]["p"] for r in rows)))
     cells = seed_level_cells(rows[0])
     assert cells[1] == "steps_sooner (steps)" and cells[3] == "+50" and cells[4] == "+100, +200, -100, +0"
-    assert cells[8].endswith("*") and cells[9] == "-"
+    assert cells[9].endswith("*") and cells[10] == "-" and cells[7] == "-"  # no problems: no two-way interval
     v = verdicts(rows, [], 3.0, True)
     assert {a["verdict"] for a in v["arms"]} == {"inconclusive"}  # no margin of equivalence for steps or seeds
 
@@ -153,7 +153,8 @@ def test_the_plan_counts_the_endpoints_in_holms_family(tmp_path):
     write_yaml(base, {**(b := yaml.safe_load(base.read_text())), "train": {**b["train"], "accuracy_steps": 2}})
     console = Console(record=True, width=200)
     plan = plan_study(path, console=console)
-    assert len(plan["rows"]) == 2 and plan["transition_endpoints"] == 4  # 2 recipes x (steps sooner, learned)
-    assert plan["rows"][0]["alpha"] == pytest.approx(0.05 / 6) and plan["sign_flip_floor"] == pytest.approx(2 / 1024)
-    assert "smallest p is 0.00195, against Holm's strictest level 0.00833 over all 6 comparisons" in \
-        console.export_text().replace("\n", " ")
+    assert len(plan["rows"]) == 2 and len(plan["endpoints"]) == 4  # 2 recipes x (steps sooner, learned)
+    assert plan["family"] == 6 and plan["rows"][0]["alpha"] == pytest.approx(0.05 / 6)
+    assert all(e["smallest_p"] == pytest.approx(2 / 1024) and not e["descriptive"] for e in plan["endpoints"])
+    text = " ".join(console.export_text().split())
+    assert "smallest possible p 0.00195" in text and "over 6 comparisons" in text
