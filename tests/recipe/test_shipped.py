@@ -59,7 +59,7 @@ def test_a_message_citing_a_docs_page_says_how_a_wheel_user_reads_it(tmp_path):
     cited = cite_shipped_docs(message, cwd=tmp_path)
     assert cited.startswith(message) and "delft docs gpu, delft docs losses" in cited
     assert cite_shipped_docs(message, cwd=REPO) == message  # a checkout has the pages
-    unknown = "see docs/" + "nothing.md"  # split: the docs test reads every docs/PAGE.md the tests cite
+    unknown = "see docs/" + "nothing.md"  # split, so the docs test does not look for that page
     assert cite_shipped_docs(unknown, cwd=tmp_path) == unknown
     shown = run_cli("docs", "gpu")
     assert shown.exit_code == 0 and shown.output == (REPO / "docs" / "gpu.md").read_text()
