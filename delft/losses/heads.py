@@ -47,8 +47,21 @@ def _chunk_ce(lm_head: nn.Module, h: Tensor, t: Tensor) -> Tensor:
     return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), t, reduction="sum")
 
 
-def chunked_ce_sum(hidden: Tensor, lm_head: nn.Module, targets: Tensor, chunk_size: int) -> Tensor:
-    """Sum of CE over rows of hidden [N, H], never holding more than chunk_size x V logits.
+def _chunk_dft(lm_head: nn.Module, h: Tensor, t: Tensor) -> Tensor:
+    logits = lm_head(h)
+    return dft_sum(logits.to(compute_dtype(logits.dtype)), t)
+
+
+def dft_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """DFT's sum over rows: -log p_y x sg(p_y), p_y = exp(-CE) of each row's label (ignored rows add 0): TRL's
+    ``per_token_loss * log_probs.exp().detach()``, summed."""
+    ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+    return (ce * torch.exp(-ce).detach()).sum()
+
+
+def chunked_ce_sum(hidden: Tensor, lm_head: nn.Module, targets: Tensor, chunk_size: int, dft: bool = False) -> Tensor:
+    """Sum of CE (``dft``: of DFT's probability-weighted CE) over rows of hidden [N, H], never holding more than
+    chunk_size x V logits.
 
     Each chunk is checkpointed, so backward recomputes its logits instead of keeping all of them alive.
     """
@@ -56,9 +69,10 @@ def chunked_ce_sum(hidden: Tensor, lm_head: nn.Module, targets: Tensor, chunk_si
         return hidden.sum() * 0.0  # in the graph, no NaN
     total = None
     recompute = torch.is_grad_enabled()
+    chunk = _chunk_dft if dft else _chunk_ce
     for s in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[s:s + chunk_size], targets[s:s + chunk_size]
-        part = checkpoint(_chunk_ce, lm_head, h, t, use_reentrant=False) if recompute else _chunk_ce(lm_head, h, t)
+        part = checkpoint(chunk, lm_head, h, t, use_reentrant=False) if recompute else chunk(lm_head, h, t)
         total = part if total is None else total + part
     return total
 

@@ -159,12 +159,21 @@ class Loss:
         train.fused_loss 'on' where Liger cannot run)."""
         if vocab is not None:  # places through the trained text's number form: reversed digits keep their value
             vocab = vocab.written_as(recipe.data.numbers)
+        if LOSS_TYPES[recipe.loss.type].replaces_ce and recipe.train.fused_loss == "on":
+            raise UserError(f"train.fused_loss is 'on' but loss.type {recipe.loss.type!r} weighs each label's CE by "
+                            "its probability, which Liger's fused cross-entropy cannot do", "train.fused_loss",
+                            "Set train.fused_loss: auto (dft then takes the chunked path) or off.")
         return cls.from_config(recipe.loss, vocab, recipe.train.loss_chunk_size,
                                resolve_fused(recipe.train.fused_loss, device), recipe.train.grad_accum, world_size)
 
     @property
     def has_term(self) -> bool:
         return self.kind.has_term
+
+    @property
+    def dft(self) -> bool:
+        """CE itself is DFT's probability-weighted CE (per label, over the whole optimizer batch like CE)."""
+        return self.kind.replaces_ce
 
     @property
     def term(self) -> TermFn:
@@ -208,11 +217,12 @@ class Loss:
         keep = labels != IGNORE
         h, t = hidden[keep], labels[keep]
         training = torch.is_grad_enabled()
-        plain = plain_linear(lm_head) if self.fused and training and h.shape[0] > 0 else None
+        # dft weighs each label's CE by its probability: Liger's fused CE has no per-row weight, so it stays chunked
+        plain = plain_linear(lm_head) if self.fused and training and h.shape[0] > 0 and not self.dft else None
         if plain is not None:
             ce_sum, path = liger_ce_sum(h, plain[0], plain[1], t), FUSED_CE
         else:
-            ce_sum, path = chunked_ce_sum(h, lm_head, t, self.chunk_size), CHUNKED_CE
+            ce_sum, path = chunked_ce_sum(h, lm_head, t, self.chunk_size, self.dft), CHUNKED_CE
         if training and h.shape[0] > 0:
             self.ran.add(path)
         if not self.has_term:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from delft.losses.heads import dft_sum
 from delft.losses.loss import Loss, Sums
 from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
@@ -46,8 +47,11 @@ def term_mean(logits: Tensor, labels: Tensor, loss: Loss) -> Tensor:
 def full_logits_loss(logits: Tensor, labels: Tensor, loss: Loss) -> dict:
     """Reference path from full logits [B, T, V] of a whole batch: ``loss.means`` (loss, ce, term) as tensors."""
     flat = logits.reshape(-1, logits.shape[-1])
-    ce_sum = F.cross_entropy(flat.to(compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
-                             reduction="sum")
+    if loss.dft:
+        ce_sum = dft_sum(flat.to(compute_dtype(flat.dtype)), labels.reshape(-1), IGNORE)
+    else:
+        ce_sum = F.cross_entropy(flat.to(compute_dtype(flat.dtype)), labels.reshape(-1), ignore_index=IGNORE,
+                                 reduction="sum")
     counts = loss.count(labels)
     if not loss.has_term:
         return loss.means(Sums(ce_sum, torch.zeros_like(ce_sum), counts), counts)

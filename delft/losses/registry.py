@@ -18,13 +18,14 @@ class LossType:
     summary: str  # one line: what the term is
     params: tuple[str, ...] = ()  # LossConfig fields the term takes as keyword arguments
     place_weighted: bool = False  # the term reads DEL's place weight (loss.place_weights applies)
+    replaces_ce: bool = False  # a weighting of CE itself (dft), no digit term: loss.weight does not apply
 
     @property
     def has_term(self) -> bool:
-        return self.name != CE
+        return self.name != CE and not self.replaces_ce
 
 
-CE = "ce"
+CE, DFT = "ce", "dft"
 
 
 # Default lambdas multiply a mean over the whole optimizer batch (loss.normalisation: global), so they are not
@@ -41,6 +42,9 @@ LOSS_TYPES: dict[str, LossType] = {t.name: t for t in (
     LossType("ntl_was", 0.3, "Number Token Loss, Wasserstein: sum_k p_k |k - y|"),
     LossType("ntl_mse", 0.3, "Number Token Loss, MSE: (sum_k p_k k - y)^2"),
     LossType("dist2", 0.1, "KL(q || p) to a soft target q_k ~ exp(-(k - y)^2 / tau)", params=("tau",)),
+    LossType(DFT, 0.0, "Dynamic Fine-Tuning (arXiv 2508.05629): each label's CE weighted by the detached "
+             "probability of the label, sg(p_y) * -log p_y, in place of CE, per label; no digit term (TRL's "
+             "loss_type='dft')", replaces_ce=True),
     LossType(CE, 0.0, "cross-entropy only, no digit term"),
 )}
 

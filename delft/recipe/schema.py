@@ -507,6 +507,9 @@ class LossConfig(Section):
                              + f"), not '{self.type}'")
         if self.place_weight_cap != DEFAULT_PLACE_WEIGHT_CAP and self.place_weights != "capped":
             raise ValueError("place_weight_cap only applies to place_weights: capped")
+        if kind.replaces_ce and self.weight not in (None, 0):
+            raise ValueError(f"weight does not apply to type '{self.type}': it replaces CE with a weighted CE and adds "
+                             "no term to weigh; drop weight")
         if self.weight is None:
             object.__setattr__(self, "weight", kind.default_weight)
         return self

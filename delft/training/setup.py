@@ -161,7 +161,8 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
     if st.fully_masked:
         console.print(f"  [yellow]{st.fully_masked} examples had no trainable label and were dropped[/]")
     lt = s.recipe.loss
-    term = "none" if lt.type == "ce" else f"{lt.type} x {lt.weight:g}"
+    term = "none" if lt.type == "ce" else "none, each label's CE weighted by its detached probability (dft)" \
+        if lt.type == "dft" else f"{lt.type} x {lt.weight:g}"
     how = ("each a mean over the optimizer batch" if lt.normalisation == GLOBAL else
            f"the reference's scaling: term a mean per micro-batch x {s.recipe.train.grad_accum} micro-batches")
     console.print(f"[bold]loss[/] CE + {term} ({how})")
