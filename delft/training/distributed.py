@@ -319,7 +319,7 @@ class Nodes:
             family, _, _, _, address = socket.getaddrinfo(self.addr, port, type=socket.SOCK_STREAM)[0]
             return socket.create_server(address, family=family, backlog=128)
         except socket.gaierror as e:
-            raise UserError(f"--master-addr {self.addr} names no address this machine can look up ({e.strerror})",
+            raise UserError(f"{self.addr} names no address this machine can look up ({e.strerror})",
                             "--master-addr", "Give node 0's IP address or a host name every node resolves.") from None
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
@@ -329,7 +329,8 @@ class Nodes:
                                 "it.") from None
             why = ("it is not an address of this machine" if e.errno == errno.EADDRNOTAVAIL else e.strerror)
             raise UserError(f"node 0 cannot listen at {where} for the rendezvous: {why}", "--master-addr",
-                            "Give node 0's own address on the network the nodes share (node 0 listens there).") from None
+                            "Give node 0's own address on the network the nodes share (node 0 listens there), and "
+                            "every other machine its own --node-rank (1 to --nnodes - 1).") from None
 
     def torchrun_args(self, port: int) -> list[str]:
         """delft.training.launch's rendezvous for this machine: node 0's store at ``addr:port``."""
