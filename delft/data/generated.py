@@ -55,18 +55,22 @@ def synthetic_examples(cfg, exclude: Collection[str] = frozenset(), count: Optio
 
     ``count`` (at most ``cfg.n``, default all) problems, none whose normalised prompt is in ``exclude``: the
     generator draws on past a skipped problem, so an eval set keeps its size and stays the same for the same
-    arguments (its first N are the set of N)."""
+    arguments (its first N are the set of N). A draw with ``exclude`` (a held-out set) also skips a problem it
+    already holds: a repeat would count one problem twice; a training draw is left as it always was."""
     rng = random.Random(cfg.seed)
     wanted = cfg.n if count is None else min(count, cfg.n)
     draws = draws_allowed(wanted, exclude)
     out: list[Example] = []
+    taken: set[str] = set()
     with exact_context():
         for _ in range(draws):
             if len(out) == wanted:
                 break
             question, answer = _synthetic_problem(rng, cfg)
-            if exclude and normalised_prompt(question) in exclude:
+            key = normalised_prompt(question) if exclude else ""
+            if exclude and (key in exclude or key in taken):
                 continue
+            taken.add(key)
             out.append(Example(question, answer, answer, len(out)))
     if len(out) < wanted:
         raise too_few(len(out), wanted, draws, f"{where}.synthetic")

@@ -5,15 +5,20 @@ A run's training problems are the data section of its ``recipe.yaml``, loaded as
 (delft.data.pipeline.load_examples), validation split included (those problems shaped the run too); the base model
 has none; a model without a recipe.yaml (a merged model, a GGUF file) is marked unknown, not clean. Each distinct
 data section is read once per process and only its set of prompts is kept. A generated eval set is drawn without
-the training problems (``generated_exclusion``); a file or hub set is scored whole and, for a model that trained on
-some of it, on its unseen problems beside. A set that is mostly (over half) one model's training data is refused
-unless the command is given ``--allow-seen``.
+the training problems and their commuted forms (``b + a`` and ``b * a`` of a training ``a + b``, ``a * b``: the same
+problem to a model that has learned commutativity) (``generated_exclusion``); a file or hub set is scored whole and,
+for a model that trained on some of it, on its unseen problems beside. Commuted duplicates are counted beside the
+exact ones as near-duplicates. A set that is mostly (over half) one model's training data is refused unless the
+command is given ``--allow-seen``. ``problem_mix`` counts a set's operations and digit counts, so a report can
+state the eval set's mix against its generator's (leaving training problems out shifts it towards harder ones).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections import Counter
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +36,55 @@ SEEN_LIMIT = 0.5  # a set with more than this share of one model's training prob
 ALLOW_SEEN = "--allow-seen"
 
 _PROMPTS: dict[str, frozenset[str]] = {}  # a data section's identity -> its normalised prompts
+
+# delft's synthetic prompts, natural ("What is -12 + 3.5?") and compact ("12+305="): the operands and the operator
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_PROBLEM = (re.compile(rf"^(?P<pre>What is )(?P<a>{_NUMBER}) (?P<op>[-+*/]) (?P<b>{_NUMBER})(?P<post>\?)$"),
+            re.compile(rf"^(?P<pre>)(?P<a>{_NUMBER})(?P<op>[-+*/])(?P<b>{_NUMBER})(?P<post>=)$"))
+COMMUTATIVE = "+*"
+
+
+def _parts(prompt: str) -> Optional[re.Match]:
+    return next((m for m in (p.match(prompt) for p in _PROBLEM) if m), None)
+
+
+def commuted(prompt: str) -> Optional[str]:
+    """The normalised prompt of ``b + a`` (``b * a``) for a normalised ``a + b`` (``a * b``); None for any other
+    prompt, or where the two operands are equal (the problem is its own commuted form)."""
+    m = _parts(prompt)
+    if m is None or m["op"] not in COMMUTATIVE or m["a"] == m["b"]:
+        return None
+    space = " " if m["pre"] else ""
+    return f"{m['pre']}{m['b']}{space}{m['op']}{space}{m['a']}{m['post']}"
+
+
+def with_commuted(prompts: Collection[str]) -> frozenset[str]:
+    """``prompts`` and the commuted form of each that has one: what a held-out draw leaves out."""
+    return frozenset(prompts) | frozenset(c for c in map(commuted, prompts) if c is not None)
+
+
+def problem_mix(prompts: Sequence[str]) -> dict:
+    """How many of ``prompts`` ask each operation and each digit count (the integer digits of the longer operand);
+    prompts delft's generator does not write count as 'other'."""
+    ops, digits = Counter(), Counter()
+    for prompt in prompts:
+        m = _parts(normalised_prompt(prompt))
+        if m is None:
+            ops["other"] += 1
+            continue
+        ops[m["op"]] += 1
+        digits[str(max(len(x.lstrip("-").split(".")[0]) for x in (m["a"], m["b"])))] += 1
+    return {"n": len(prompts), "ops": dict(sorted(ops.items())), "digits": dict(sorted(digits.items()))}
+
+
+def mix_line(name: str, mix: dict) -> str:
+    """One sentence: a set's mix of operations and digit counts against its generator's, in percent."""
+    def shares(m: dict, key: str) -> str:
+        return ", ".join(f"{k} {100 * v / max(1, m['n']):.0f} %" for k, v in m[key].items())
+
+    eval_, gen = mix["eval"], mix["generator"]
+    return (f"{name}: operations {shares(eval_, 'ops')} (the generator's: {shares(gen, 'ops')}); digits "
+            f"{shares(eval_, 'digits')} (the generator's: {shares(gen, 'digits')})")
 
 
 def training_prompts(data_cfg) -> frozenset[str]:
@@ -78,16 +132,19 @@ def generated_exclusion(data_cfg, train_data: Sequence, models: Sequence[str]) -
         prompts |= training_prompts(data)
     for model in models:
         prompts |= model_training(model)[0] or frozenset()
-    return frozenset(prompts)
+    return with_commuted(prompts)
 
 
 def seen_record(problems: Sequence, prompts: Optional[frozenset[str]], why: str = "") -> dict:
     """How many of ``problems`` (and which, by index) are in ``prompts``, a model's training prompts (None:
-    unknown, ``why``)."""
+    unknown, ``why``), and how many more are near-duplicates: the commuted form of a training problem."""
     if prompts is None:
         return {"seen_in_training": None, "n": len(problems), "unknown": why}
-    seen = [p.index for p in problems if normalised_prompt(p.example.prompt) in prompts]
-    return {"seen_in_training": len(seen), "n": len(problems), "seen_problems": seen}
+    keys = [(p.index, normalised_prompt(p.example.prompt)) for p in problems]
+    seen = [i for i, key in keys if key in prompts]
+    near = [i for i, key in keys if key not in prompts and commuted(key) in prompts]
+    return {"seen_in_training": len(seen), "n": len(problems), "seen_problems": seen,
+            "near_duplicates": len(near), "near_duplicate_problems": near}
 
 
 def count_seen(problems: Sequence, model: Optional[str]) -> dict:
@@ -150,6 +207,9 @@ def seen_lines(records: dict[str, dict]) -> list[str]:
             tail = f"; {EXACT_MATCH.name} on the {unseen['n']} unseen: {pct(unseen[EXACT_MATCH.key])}" if unseen else ""
             lines.append(f"contamination: {k} of the {n} problems are in the training data of {name} (by "
                          f"normalised prompt){tail}")
+        if r.get("near_duplicates"):
+            lines.append(f"contamination: {r['near_duplicates']} of the {n} problems are near-duplicates of "
+                         f"{name}'s training problems (b + a or b * a of a trained a + b, a * b)")
     return lines
 
 

@@ -69,8 +69,9 @@ def unseen_positions(sec: dict) -> Optional[list[int]]:
     records), or None when no run trained on any of them. The runs of a study share their training data, so one
     subset serves every pair."""
     seen = set()
-    for m in sec["models"]:
-        seen.update((m.get("contamination") or {}).get("seen_problems") or [])
+    for m in sec["models"]:  # commuted near-duplicates (b + a of a trained a + b) are not unseen either
+        record = m.get("contamination") or {}
+        seen.update((record.get("seen_problems") or []) + (record.get("near_duplicate_problems") or []))
     if not seen:
         return None
     first = next(m for m in sec["models"] if m.get("recipe") is not None)

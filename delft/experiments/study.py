@@ -28,9 +28,18 @@ from rich.table import Table
 
 from delft import __version__
 from delft.data.fields import check_data_path
+from delft.data.pipeline import load_examples
 from delft.data.sources import LOCAL_LOADERS
 from delft.errors import UserError
-from delft.evaluation.contamination import count_seen, refuse_mostly_seen, seen_record, training_prompts
+from delft.evaluation.contamination import (
+    count_seen,
+    mix_line,
+    problem_mix,
+    refuse_mostly_seen,
+    seen_record,
+    training_prompts,
+    with_commuted,
+)
 from delft.evaluation.model_scores import score_gold
 from delft.evaluation.problems import BOOTSTRAP_SEED, disjoint_from_training, load_problems, settings_block
 from delft.evaluation.report import teacher_table, write_plot
@@ -307,13 +316,14 @@ def load_sets(sets: dict[str, DataConfig], path: Path, console: Console, train_d
               allow_seen: bool = False) -> dict[str, tuple[list, int]]:
     """Every eval set's problems, read and checked (a file that parses, numeric answers, a hub dataset that can be
     reached) before the first training step: (problems, skipped) by set. A generated set is drawn without the
-    problems of ``train_data`` (the recipes' data section); a set that is mostly those is refused unless
-    ``allow_seen`` (delft.evaluation.contamination)."""
+    problems of ``train_data`` (the recipes' data section) and their commuted forms; a set that is mostly those is
+    refused unless ``allow_seen`` (delft.evaluation.contamination)."""
     seen = training_prompts(train_data)
+    held_out = with_commuted(seen)
     loaded = {}
     for name, data_cfg in sets.items():
         try:
-            loaded[name] = load_problems(data_cfg, console, seen if data_cfg.format in GENERATED else frozenset())
+            loaded[name] = load_problems(data_cfg, console, held_out if data_cfg.format in GENERATED else frozenset())
         except UserError as e:
             raise _in_study(e, name, path) from None
         refuse_mostly_seen({"the recipes' runs": seen_record(loaded[name][0], seen)}, f"the eval set {name}",
@@ -328,7 +338,17 @@ def _greedy_set(key: str, data_cfg: DataConfig, spec: EvalSet, cfg0: Recipe, bas
     section, plotted = evaluate_set(key, data_cfg, rcfg, base, contenders, seeds, runs, console, tables,
                                     "delft study", loaded)
     section["settings"]["mode"] = "greedy"
+    if data_cfg.format in GENERATED:  # leaving training problems out shifts the mix: say by how much
+        section["settings"]["mix"] = set_mix(data_cfg, loaded[0])
+        console.print(mix_line(key, section["settings"]["mix"]), highlight=False)
     return section, plotted
+
+
+def set_mix(data_cfg: DataConfig, problems: list) -> dict:
+    """A generated set's operations and digit counts against its generator's own draw of as many problems."""
+    drawn = load_examples(data_cfg, "eval.data")
+    return {"eval": problem_mix([p.example.prompt for p in problems]),
+            "generator": problem_mix([e.prompt for e in drawn])}
 
 
 def _teacher_line(name: str, ref: str, label: str, diff: dict) -> str:

@@ -85,7 +85,8 @@ def test_eval_json_counts_each_runs_training_problems_and_scores_the_unseen(digi
     run_eval(runs=[str(file_run)], model=str(digit_model_path), data=str(files / "some_seen.jsonl"),
              data_format="prompt_completion", json_out=out, overrides=FAST, console=console)
     base, run = json.loads(out.read_text())["models"]
-    assert base["contamination"] == {"seen_in_training": 0, "n": 7, "seen_problems": []}
+    assert base["contamination"] == {"seen_in_training": 0, "n": 7, "seen_problems": [], "near_duplicates": 0,
+                                     "near_duplicate_problems": []}
     seen = run["contamination"]
     assert (seen["seen_in_training"], seen["n"], seen["seen_problems"]) == (2, 7, [0, 1])
     unseen = [p["exact"] for p in run["predictions"] if p["index"] not in (0, 1)]
