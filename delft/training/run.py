@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol
 from rich.console import Console
 
 from delft import rundir, signals
+from delft.errors import UserError
 from delft.models.loading import plain_model
 from delft.outputs import append_line, follow_umask, no_space_is_a_user_error, write_atomic
 from delft.recipe.files import dump_recipe
@@ -182,6 +183,9 @@ def _trained(run: Run, trainer: StageTrainer) -> None:
             trainer.train()
         except KeyboardInterrupt:
             _interrupted(run, trainer)
+        except UserError:  # a full disk, a diverged loss: the run stops where its last checkpoint is
+            _mark_interrupted(run)
+            raise
         if run.stops.received is not None and run.recipe.train.distributed != "fsdp":  # a stage whose signals wait:
             # its loop stopped at a step's end (a sharded loop's ranks agree there; one signalled after the last
             # step finishes the run with the others)
@@ -190,6 +194,17 @@ def _trained(run: Run, trainer: StageTrainer) -> None:
             _publish(run, trainer)
         else:
             trainer.write_final_elsewhere()
+
+
+def _mark_interrupted(run: Run) -> None:
+    """The run info says "interrupted" (resumable) after the loop stopped on a user error. On a disk still full the
+    info cannot be rewritten: it stays "running", which a resume treats the same."""
+    if not dist.is_main():
+        return
+    try:
+        rundir.update_info(run.dir, status=rundir.INTERRUPTED)
+    except (OSError, UserError):
+        pass
 
 
 def _interrupted(run: Run, trainer: StageTrainer) -> None:

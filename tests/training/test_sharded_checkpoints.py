@@ -306,3 +306,17 @@ def test_a_small_volume_that_holds_the_run_trains_to_the_end(tmp_path, tiny_mode
         run_training(load_recipe(recipe))
         assert rundir.read_info(disk / "run")["status"] == rundir.COMPLETED
         assert (disk / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_stopped_by_a_user_error_in_its_loop_is_marked_interrupted(tmp_path, tiny_model_dir):
+    """A loss that diverges (or a disk that fills) ends the loop with one paragraph; the run info then says
+    "interrupted", not "running", and the last checkpoint is there to resume from."""
+    from delft.recipe.files import load_recipe
+    from delft.training.stages import run_training
+
+    recipe = recipe_file(tmp_path, tiny_model_dir, name="run", train={"learning_rate": 1e30, "max_steps": 8,
+                                                                      "save_steps": 1, "max_grad_norm": 0.0})
+    with pytest.raises(UserError, match="the loss became"):
+        run_training(load_recipe(recipe))
+    assert rundir.read_info(tmp_path / "run")["status"] == rundir.INTERRUPTED
+    assert rundir.checkpoints(tmp_path / "run")
