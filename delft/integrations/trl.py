@@ -85,7 +85,8 @@ class DigitSFTTrainer(DigitLossMixin, _sft_trainer()):
         hidden = hidden[:, :-1] if drop else hidden
         loss = self.digit_loss.loss
         log_probs = outputs.log_probs.float()  # zero on ignored positions
-        if getattr(self.args, "loss_type", "nll") == "dft":  # TRL's DFT (arXiv 2508.05629): CE x detached p
+        # DFT (arXiv 2508.05629), TRL's loss_type or delft's type: each label's CE x its detached probability
+        if getattr(self.args, "loss_type", "nll") == "dft" or loss.kind.replaces_ce:
             log_probs = log_probs * log_probs.exp().detach()
         ce_sum = -log_probs.sum()
         counts = loss.count(labels)

@@ -212,6 +212,15 @@ def test_ce_alone_logs_no_digit_term_nor_weight(tok):
     assert "eval_ce" in metrics and "eval_digit_term" not in metrics
 
 
+def test_delfts_dft_type_under_digit_sft_trainer_is_trls_dft(tok):
+    plain, ours = sft_pair(build_model(tok), tok, {"type": "dft"}, max_steps=1)
+    plain.args.loss_type = "dft"  # TRL's own DFT on the plain trainer; delft's type alone on ours
+    want, got = train_logs(plain), train_logs(ours)
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6) and "digit_weight" not in got[0]
+    _, nll = sft_pair(build_model(tok), tok, {"type": "ce"}, max_steps=1)
+    assert train_logs(nll)[0]["loss"] > got[0]["loss"] * 1.5  # DFT, not CE: p < 1 shrinks every label's term
+
+
 @pytest.mark.parametrize("name", ["DigitTrainer", "DigitSFTTrainer"])
 def test_a_missing_processing_class_is_named(tok, name):
     from datasets import Dataset
