@@ -56,7 +56,6 @@ from delft.experiments.arms import reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
 from delft.experiments.power import (
-    ALPHA,
     PLAN_COLUMNS,
     Unpiloted,
     comparisons,
@@ -69,7 +68,7 @@ from delft.experiments.power import (
     read_pilot,
 )
 from delft.experiments.seed_level import MARGIN, analyse, analysis_renderables
-from delft.experiments.seed_tests import POWER
+from delft.experiments.seed_tests import ALPHA, POWER
 from delft.experiments.summary import study_summary
 from delft.experiments.transitions import check_measured, run_transitions
 from delft.models.scratch import base_name
