@@ -49,9 +49,37 @@ def test_shipped_studies_resolve(path, tmp_path):
 
 
 def test_every_shipped_study_is_tested_here():
-    others = {REPO / "recipes" / "study" / f"{name}.study.yaml" for name in ("grpo", "del_prob_weight")}
+    others = {REPO / "recipes" / "study" / f"{name}.study.yaml" for name in ("grpo", "del_prob_weight", "lora_powered")}
     assert set(STUDIES) == set(LOSS_STUDIES) | set(SCRATCH_STUDIES) | set(COMPACT_STUDIES) | set(FORMATS_STUDIES) \
         | others
+
+
+def test_the_powered_lora_study_is_pre_registered_as_issued():
+    """Issue 54's design: SmolLM2 fp32 LoRA on the arithmetic recipe, ce / del_prob 1.0 / del 0.1 (calibrator) / dft,
+    10 paired seeds, 800 held-out problems, the two-way interval deciding, TOST at +-2.5; --plan works on it."""
+    from delft.experiments.study import plan_study
+
+    path = REPO / "recipes" / "study" / "lora_powered.study.yaml"
+    study = load_study(path)
+    assert path.read_text().startswith(f"# delft study recipes/study/{path.name}")
+    assert study.seeds == list(range(10)) and study.decide == "two_way" and study.margin == 2.5
+    assert study.calibrators() == ["del"] and study.controls() == [] and study.evals["held_out"].limit == 800
+    contenders = _contenders(study, path, [], None, quiet())
+    by = {c.name: c.recipe for c in contenders}
+    assert [c.name for c in contenders] == ["ce", "del_prob", "del", "dft"]
+    assert (by["del_prob"].loss.type, by["del_prob"].loss.weight) == ("del_prob", 1.0)
+    assert (by["del"].loss.type, by["del"].loss.weight) == ("del", 0.1) and by["dft"].loss.type == "dft"
+    r = by["ce"]
+    assert (r.lora.r, r.lora.alpha, r.model.dtype, r.quantization.mode) == (16, 32, "float32", "none")
+    assert (r.train.max_steps, r.train.batch_size, r.train.learning_rate, r.train.lr_scheduler) == (150, 8, 5e-4,
+                                                                                                  "cosine")
+    assert (r.data.synthetic.n, r.data.synthetic.max_digits, r.data.synthetic.ops) == (2000, 3, ["+", "-", "*", "/"])
+    console = quiet()
+    plan = plan_study(path, console=console)
+    rows = {row["recipe"]: row for row in plan["rows"]}
+    assert rows["del"]["alpha"] == 0.05 and rows["del_prob"]["alpha"] == pytest.approx(0.025)  # alone; Holm over 2
+    assert plan["family"] == 2 and all(row["decide"] == "two_way" for row in plan["rows"])
+    assert plan["flags"] == []  # the calibrator moved down in its pilot (formats_lora, p 0.03 alone)
 
 
 @pytest.mark.parametrize("path", FORMATS_STUDIES, ids=lambda p: p.name)
