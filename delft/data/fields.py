@@ -223,8 +223,13 @@ def finite_number_text(value: Any) -> Optional[str]:
 class Fields:
     """One row's fields, read as text; a field of another kind is refused naming file, row and field."""
 
-    def __init__(self, row: dict, label: str, index: int, where: str):
+    def __init__(self, row: dict, label: str, index: int, where: str, columns: Optional[dict] = None):
         self.row, self.label, self.n, self.where = row, label, index + 1, where
+        self.columns = columns or {}  # data.columns: a field's name -> the file's column that holds it
+
+    def col(self, name: str) -> str:
+        """The column that holds field ``name`` (data.columns), the name every message shows."""
+        return self.columns.get(name, name)
 
     def refuse(self, name: str, value: Any, fix: str) -> UserError:
         if isinstance(value, Unreadable):  # kind_of says why already
@@ -234,6 +239,7 @@ class Fields:
                          f"{self.where}.source", fix)
 
     def get(self, name: str, required: bool = True) -> Any:
+        name = self.col(name)
         value = self.row.get(name)
         if value is None and required:
             if name in self.row:
@@ -250,6 +256,7 @@ class Fields:
         value = self.get(name, required) if value is None else value
         if value is None or isinstance(value, str):
             return value
+        name = self.col(name)
         plain = finite_number_text(value) if number else None
         if plain is not None:
             return plain
@@ -267,6 +274,7 @@ class Fields:
             parsed = Decimal(text.strip().replace(",", ""))
         except InvalidOperation:
             parsed = None
+        name = self.col(name)
         if parsed is None or not parsed.is_finite():
             raise UserError(f"{self.label} row {self.n}, field {name!r}, is {kind_of(value)}, not a number",
                             f"{self.where}.source", f"Write {name!r} as a finite number, e.g. 51 or 2.5.")
@@ -274,13 +282,13 @@ class Fields:
 
     def messages(self) -> list[dict]:
         """format chat's 'messages': a list of {role, content} objects whose role and content are strings."""
-        messages = self.get("messages")
+        messages, name = self.get("messages"), self.col("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise UserError(f"{self.label} row {self.n}: 'messages' must be a list of {{role, content}} objects",
+            raise UserError(f"{self.label} row {self.n}: {name!r} must be a list of {{role, content}} objects",
                             f"{self.where}.format", "Fix the row.")
         for k, m in enumerate(messages):
             for key in ("role", "content"):
                 if not isinstance(m[key], str):
-                    raise self.refuse(f"messages[{k}].{key}", m[key], f"Write every message's {key} as a string.")
+                    raise self.refuse(f"{name}[{k}].{key}", m[key], f"Write every message's {key} as a string.")
         return messages

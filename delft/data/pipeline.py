@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from delft.data.batches import tokenize_example
+from delft.data.columns import check_columns_present
 from delft.data.generated import nupa_examples, reasoning_gym_examples, synthetic_examples
 from delft.data.sources import Example, load_rows, row_to_example
 from delft.errors import UserError
@@ -28,7 +29,9 @@ def load_examples(cfg, where: str = "data", exclude: Collection[str] = frozenset
         examples = nupa_examples(cfg.nupa, exclude, cfg.limit, where)
     else:
         rows, label = load_rows(cfg, where)
-        examples = [row_to_example(r, cfg.format, i, label, where) for i, r in enumerate(rows[: cfg.limit])]
+        check_columns_present(rows, cfg.columns, label, where)
+        examples = [row_to_example(r, cfg.format, i, label, where, cfg.columns)
+                    for i, r in enumerate(rows[: cfg.limit])]
     if not examples:
         raise UserError("the data source gave no examples", f"{where}.source", "Check the file and data.limit.")
     return examples

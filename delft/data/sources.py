@@ -208,10 +208,12 @@ def _gsm8k_answer(text: str, label: str, i: int, where: str) -> str:
     return format_number(Decimal(m.group(1).replace(",", "")))
 
 
-def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data") -> Example:
+def row_to_example(row: dict, fmt: str, i: int, label: str, where: str = "data",
+                   columns: Optional[dict] = None) -> Example:
     """One row as an Example. Every field it uses must be text (a completion or answer may be a finite number,
-    used as its plain text); delft.data.fields refuses anything else by file, row and field."""
-    f = Fields(row, label, i, where)
+    used as its plain text); delft.data.fields refuses anything else by file, row and field. ``columns``
+    (data.columns) names the row's column for a field the format reads."""
+    f = Fields(row, label, i, where, columns)
     if fmt == "prompt_completion":
         return Example(f.text("prompt"), f.text("completion", number=True),
                        f.text("answer", number=True, required=False), i)
