@@ -173,11 +173,15 @@ def train(
                                               help="A free port on node 0 (several nodes only; default 29500)."),
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
-    from delft.training.command import train_command
+    from delft.recipe.files import load_recipe
     from delft.training.distributed import Nodes
 
-    train_command(recipe, set_, resume, force, nproc, oversubscribe, console,
-                  Nodes(nnodes, node_rank, master_addr, master_port))
+    nodes = Nodes(nnodes, node_rank, master_addr, master_port)
+    nodes.check()
+    cfg = load_recipe(recipe, set_)  # a mistake in the recipe is refused before the training modules load torch
+    from delft.training.command import train_command
+
+    train_command(cfg, resume, force, nproc, oversubscribe, console, nodes)
 
 
 @app.command("eval")

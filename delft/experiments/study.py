@@ -79,10 +79,10 @@ from delft.recipe.schema import (
     DataConfig,
     ReasoningGymConfig,
     Recipe,
-    Section,
     SyntheticConfig,
     describe_error,
 )
+from delft.recipe.section import Section
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
 RESULT_FILES = (STUDY_JSON, SUMMARY, TABLES)  # what a study writes into out besides its plots (its report first)

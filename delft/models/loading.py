@@ -51,13 +51,6 @@ def resolve_dtype(pref: str, device: str):
     return torch.float32
 
 
-def resolve_quantization(mode: str, device: str, finetuning: str = "lora") -> str:
-    """'auto' is nf4 for LoRA on CUDA (QLoRA), else none (full fine-tuning trains the weights themselves)."""
-    if mode == "auto":
-        return "nf4" if device == "cuda" and finetuning == "lora" else "none"
-    return mode
-
-
 def check_model_dir(path: Path, name: str, trust_remote_code: bool) -> None:
     """A local model directory refused by name before transformers reads it: a config number no model can have
     (first: its key named, not transformers' error), damaged or pickled files, code it would run untrusted."""
@@ -233,17 +226,16 @@ def check_bitsandbytes_cpu(what: str, where: str) -> None:
                     "(quantization.mode: none, train.optimizer: adamw).")
 
 
-EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # bitsandbytes' blockwise 8-bit AdamW (paged or not)
-
-
-def check_paged_on_cpu(optimizer: str) -> None:
-    """paged_adamw_8bit on the CPU: bitsandbytes warns and runs it unpaged (there is no GPU memory to page out of),
-    so the recipe would say something the run does not do."""
+def check_eight_bit_on_cpu(optimizer: str) -> None:
+    """An 8-bit AdamW on the CPU (the one copy of this refusal, which precheck and the optimizer's setup both call):
+    paged_adamw_8bit refused, because bitsandbytes warns and runs it unpaged (there is no GPU memory to page out of)
+    so the recipe would say something the run does not do; and a bitsandbytes below BNB_CPU_FLOOR refused."""
     if optimizer == "paged_adamw_8bit":
         raise UserError("train.optimizer paged_adamw_8bit pages its states out of GPU memory under pressure, and this "
                         "run is on the CPU, where bitsandbytes runs it unpaged: it is adamw_8bit there",
                         "train.optimizer", "Use train.optimizer: adamw_8bit on the CPU (the same 8-bit AdamW), or "
                         "adamw.")
+    check_bitsandbytes_cpu(f"train.optimizer {optimizer}", "train.optimizer")
 
 
 def nf4_layers(model) -> list:
@@ -316,7 +308,6 @@ def apply_liger_layers(model) -> list[str]:
 
 
 LORA_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}  # lora.init -> peft's
-MUTATING_INITS = ("pissa", "olora")  # they rewrite the base weights: saved adapters are converted back
 
 
 def save_initial_adapter(model, path: Path) -> None:

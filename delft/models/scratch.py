@@ -15,7 +15,8 @@ import string
 from delft.models.loading import load_tokenizer
 from delft.models.sources import ModelRef, cache_dir, resolve_model
 from delft.outputs import follow_umask, staged
-from delft.recipe.schema import CHAR_TOKENIZER, Recipe
+from delft.recipe.model_section import CHAR_TOKENIZER
+from delft.recipe.schema import Recipe
 from delft.rundir import MODEL_CONFIG
 
 SCRATCH_DIR = "scratch"  # under delft's cache: one directory per (architecture, tokenizer, seed)

@@ -27,7 +27,9 @@ import re
 from delft.errors import UserError
 from delft.losses.registry import fused_applies
 from delft.planning.shapes import QWEN2, linear_shapes, lora_targets, model_shape, parameter_counts
+from delft.recipe.model_section import resolve_quantization
 from delft.recipe.schema import validate_recipe
+from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 
 GiB = 2**30
 
@@ -103,8 +105,8 @@ def dtype_bytes(dtype: str) -> int:
 def planned_nf4(recipe) -> bool:
     """Whether the run quantises its base to nf4 on a GPU (quantization auto: for LoRA, not full fine-tuning, and
     not under train.distributed fsdp, which refuses nf4: FSDP2 shards the base in the model dtype)."""
-    q = recipe.quantization.mode
-    return q == "nf4" or (q == "auto" and recipe.train.finetuning == "lora" and recipe.train.distributed != "fsdp")
+    t = recipe.train
+    return resolve_quantization(recipe.quantization.mode, "cuda", t.finetuning, t.distributed) == "nf4"
 
 
 def state_bytes(recipe) -> float:
@@ -113,7 +115,7 @@ def state_bytes(recipe) -> float:
     t = recipe.train
     if t.optimizer == "sgd":
         return 4 if t.momentum > 0 else 0
-    return 2 * (1 + 4 / 256) if t.optimizer in ("adamw_8bit", "paged_adamw_8bit") else 8
+    return 2 * (1 + 4 / 256) if t.optimizer in EIGHT_BIT_OPTIMIZERS else 8
 
 
 def _optimizer_bytes_per_param(recipe) -> float:
@@ -154,7 +156,7 @@ def lora_state_bytes(s: dict, recipe) -> float:
     """The optimizer's state of every LoRA tensor: ``state_bytes`` each, except that the 8-bit AdamWs keep a tensor
     below MIN_8BIT_SIZE elements in fp32 (8 bytes), as bitsandbytes does."""
     per = state_bytes(recipe)
-    eight = recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit")
+    eight = recipe.train.optimizer in EIGHT_BIT_OPTIMIZERS
     return s["layers"] * sum(n * (8 if eight and n < MIN_8BIT_SIZE else per) for n in lora_tensors(s, recipe.lora))
 
 

@@ -1,19 +1,22 @@
 """The recipe schema: one typed section per YAML block (model, quantization, lora, data, train, grpo, loss, eval,
 output), each key with its default, bounds and a description that is its documentation. An unknown key is
 refused with a did-you-mean; a wrong value with the key's path and what it accepts. Torch-free: the CLI and
-``delft recipe check`` load it without torch."""
+``delft recipe check`` load it without torch.
+
+The sections live one module per part of the recipe (``section``: their base; ``model_section``: model,
+quantization, lora; ``train_section``: train, grpo; the data, loss, eval and output sections here), and the
+whole ``Recipe`` here with every refusal that reads more than one section, so ``delft recipe check`` refuses what
+``delft train`` would refuse from the recipe alone, in the same words."""
 
 from __future__ import annotations
 
 import difflib
 import os
-import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from delft.data.columns import columns_refusal
 from delft.data.number_tasks import MAX_LENGTH as NUPA_MAX_LENGTH
 from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
@@ -21,168 +24,14 @@ from delft.data.number_tasks import bins_text, drawn_counts, short_bins
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
+from delft.recipe.model_section import MUTATING_INITS, LoraConfig, ModelConfig, QuantizationConfig
+from delft.recipe.section import Section
+from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS, GrpoConfig, TrainConfig
 
 # Added to a generator's seed for the default eval set, so its draw does not start with the training problems; the
 # training problems are kept out by content when it is drawn (delft.evaluation.contamination), which a seed cannot do.
 EVAL_SEED_OFFSET = 1_000_003
 
-
-class Section(BaseModel):
-    # Typos must fail loudly ("quantizaton: 4bit" silently passing is a peer's bug we do not repeat).
-    # No inf/nan: an infinite learning rate or loss weight is never meant.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_yaml_booleans(cls, data):
-        """YAML reads yes/no/on/off as booleans: refuse one where a number or a name is expected (pydantic would
-        make ``learning_rate: yes`` 1.0), and read on/off as the words for a field that offers them."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for key, value in data.items():
-            field = cls.model_fields.get(key)
-            if not isinstance(value, bool) or field is None or _accepts(field.annotation, value):
-                continue
-            word = ("off", "on")[value]
-            if _accepts(field.annotation, word):
-                data[key] = word
-            else:
-                raise ValueError(f"{key} got the YAML boolean {value} (from yes/no/on/off/true/false), "
-                                 f"which is not a {_kind(field.annotation)}")
-        return data
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _plain_value(cls, value, info: ValidationInfo):
-        """No NUL character in any text (no path, name or prompt holds one; the OS cuts paths at it), and no whole
-        number past 64 bits (a seed of 1e30 would overflow torch's generators deep inside training)."""
-        annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, dict) and _holds_section(annotation):
-            return value  # the section checks its own keys, so the message names the key
-        if _has_nul(value):
-            raise ValueError("holds a NUL character (\\0), which no path, name or text may hold")
-        if _whole(annotation):
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 2 ** 63:
-                    raise ValueError("too large for a whole number (at most 2**63 - 1)")
-        return value
-
-
-def _has_nul(value) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    return isinstance(value, (list, tuple)) and any(_has_nul(v) for v in value)
-
-
-def _holds_section(annotation) -> bool:
-    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in (annotation, *typing.get_args(annotation)))
-
-
-def _whole(annotation) -> bool:
-    """Whether a field holds whole numbers: int, Optional[int], a list or tuple of them."""
-    return annotation is int or any(_whole(a) for a in typing.get_args(annotation))
-
-
-def _accepts(annotation, value) -> bool:
-    """Whether a field's type takes ``value`` as it is: bool for a bool field, a word for a Literal that lists it."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        return value in args and not isinstance(value, bool)
-    if origin is Union:
-        return any(_accepts(a, value) for a in args)
-    return annotation is bool and isinstance(value, bool)
-
-
-def _kind(annotation) -> str:
-    names = {int: "whole number", float: "number", str: "text"}
-    found = [names[a] for a in (annotation, *typing.get_args(annotation)) if a in names]
-    return found[0] if found else "choice such as " + ", ".join(repr(a) for a in typing.get_args(annotation)[:4])
-
-
-CHAR_TOKENIZER = "char"  # model.tokenizer: delft's character-level tokenizer (every digit one token)
-
-
-class ArchitectureConfig(Section):
-    """A Llama-style decoder built from random weights (model.init: scratch)."""
-
-    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
-    layers: int = Field(4, gt=0, description="Decoder layers.")
-    heads: int = Field(4, gt=0, description="Attention heads (hidden_size must divide by it).")
-    kv_heads: Optional[int] = Field(None, gt=0, description="Key/value heads (grouped-query attention); unset: heads.")
-    intermediate_size: int = Field(384, gt=0, description="Width of the SwiGLU MLP.")
-    context: int = Field(128, gt=8, description="Most positions (data.max_length must fit in it).")
-    tie_embeddings: bool = Field(True, description="Share the input embedding and the output layer (small models).")
-
-    @model_validator(mode="after")
-    def _shapes(self):
-        if self.hidden_size % self.heads:
-            raise ValueError(f"hidden_size {self.hidden_size} does not divide into {self.heads} heads")
-        if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"heads {self.heads} does not divide into {self.kv_heads} kv_heads")
-        return self
-
-
-class ModelConfig(Section):
-    name: str = Field("smollm2-135m", description="Hub id, local directory, .gguf file, or the alias 'smollm2-135m' "
-                      "(not read with init: scratch).")
-    init: Literal["pretrained", "scratch"] = Field(
-        "pretrained", description="pretrained: model.name's weights; scratch: random weights in the shape of "
-        "model.architecture, trained from nothing (needs train.finetuning: full).")
-    architecture: Optional[ArchitectureConfig] = Field(
-        None, description="init: scratch only: the Llama-style shape (hidden_size, layers, heads, ...).")
-    tokenizer: Optional[str] = Field(
-        None, description=f"init: scratch only: '{CHAR_TOKENIZER}' (delft's character-level tokenizer: every digit, "
-        "letter and sign one token; the default) or a tokenizer source (directory, hub id, 'smollm2-135m').")
-    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when present, else CPU.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights/compute dtype; 'auto' = bf16 on CUDA (fp16 if unsupported), fp32 on CPU.")
-    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off: it runs arbitrary code).")
-    adapter: Optional[str] = Field(None, description="A LoRA run directory (delft train's, or any peft adapter of "
-                                   "this base model) to continue training, e.g. runs/sft before a GRPO stage; its "
-                                   "rank and targets replace the lora section's.")
-
-    @model_validator(mode="after")
-    def _init(self):
-        if self.init == "scratch":
-            if self.adapter is not None:
-                raise ValueError("init: scratch has no adapter to continue (drop model.adapter)")
-            if self.architecture is None:
-                object.__setattr__(self, "architecture", ArchitectureConfig())
-            if self.tokenizer is None:
-                object.__setattr__(self, "tokenizer", CHAR_TOKENIZER)
-        elif self.architecture is not None or self.tokenizer is not None:
-            raise ValueError("architecture and tokenizer only apply to init: scratch (a pretrained model has its own)")
-        return self
-
-
-class QuantizationConfig(Section):
-    mode: Literal["auto", "nf4", "none"] = Field("auto", description="'auto' = nf4 on CUDA for LoRA (QLoRA), none "
-                                                 "on CPU and with full fine-tuning.")
-    double_quant: bool = Field(True, description="Quantise the nf4 scales too (saves ~0.4 bit/param).")
-    kbit_upcast: bool = Field(
-        False, description="Call peft's prepare_model_for_kbit_training (fp32 upcasts; costs much VRAM, see docs/gpu.md).")
-
-
-class LoraConfig(Section):
-    r: int = Field(16, gt=0, description="LoRA rank.")
-    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: Union[Literal["all-linear"], list[str]] = Field(
-        "all-linear", description="'all-linear' (every linear projection except the output layer) or module names.")
-    use_dora: bool = Field(False, description="DoRA (arXiv 2402.09353): a trained magnitude per output beside the "
-                           "LoRA direction (peft's use_dora); merges like LoRA.")
-    use_rslora: bool = Field(False, description="rsLoRA: scale alpha / sqrt(r) instead of alpha / r (steadier at "
-                             "large ranks; peft's use_rslora).")
-    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained in full and saved with "
-                                       "the adapter, e.g. [embed_tokens, lm_head] when new tokens are trained.")
-    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
-        "default", description="peft's init_lora_weights: default (B = 0, A Kaiming), gaussian, pissa (the principal "
-        "singular vectors, arXiv 2404.02948), olora (a QR of the weights); pissa and olora move the base weights, so "
-        "the saved adapter is converted (rank 2r) to apply to the original base, as peft documents.")
 
 
 MAX_SYNTHETIC_DIGITS = 30  # long operands for the far places; answers stay exact (digits.DECIMAL_PRECISION)
@@ -308,9 +157,6 @@ class DataConfig(Section):
     format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic", "reasoning_gym",
                     "nupa"] = Field(
         "synthetic", description="How rows map to prompt and answer.")
-    columns: Optional[dict[str, str]] = Field(
-        None, description="The file's column for each field the format reads, e.g. {prompt: question, completion: "
-        "answer} (as axolotl's field_* and LLaMA-Factory's columns keys); unset: the format's own field names.")
     split: str = Field("train", description="Split of a hub dataset.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a hub dataset.")
     template: Literal["auto", "chat", "plain"] = Field(
@@ -343,9 +189,6 @@ class DataConfig(Section):
                                      "(fields prompt and completion), or alpaca, chat, "
                                      "gsm8k or svamp")
                 raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
-        refusal = columns_refusal(self.format, self.columns)
-        if refusal:
-            raise ValueError(refusal)
         return self
 
     def prompt_separator(self) -> str:
@@ -356,130 +199,6 @@ class DataConfig(Section):
         if self.format == "synthetic" and self.synthetic.style == "compact":
             return ""
         return FORMAT_SEPARATORS[self.format]
-
-
-class EarlyStoppingConfig(Section):
-    metric: Literal["val_loss", "heldout_accuracy"] = Field(
-        "val_loss", description="What is watched: the validation loss (every train.eval_steps; lower is better) or "
-        "the held-out exact match (every train.accuracy_steps; higher is better).")
-    patience: int = Field(3, gt=0, description="Stop after this many measurements in a row without an improvement.")
-    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the last counted one by more than "
-                             "this to reset patience; the best step is always the lowest (highest) measured.")
-
-
-class TrainConfig(Section):
-    stage: Literal["sft", "grpo"] = Field(
-        "sft", description="sft: supervised fine-tuning on the completions; grpo: reinforcement learning from "
-        "verifiable numeric rewards on the data's prompts (TRL's GRPOTrainer; the grpo section).")
-    finetuning: Literal["lora", "full"] = Field(
-        "lora", description="lora: train a LoRA adapter (the lora section) on the frozen base; full: train every "
-        "weight (the paper's setting; the run saves a standalone model, no merge step).")
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "sgd"] = Field(
-        "adamw", description="adamw: AdamW with fp32 states (bitsandbytes' 32-bit AdamW when weights are bf16/fp16, "
-        "so the states stay fp32); adamw_8bit: bitsandbytes' 8-bit AdamW (a quarter of the state memory); "
-        "paged_adamw_8bit: the same, its states paged to CPU memory under pressure (CUDA only; adamw_8bit runs on "
-        "the CPU too); sgd: plain SGD with momentum (no state without momentum).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's beta1 and beta2 (the AdamW optimizers).")
-    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum (0: none).")
-    snapshot_steps: list[int] = Field(
-        default_factory=list, description="Steps at which a copy of the model (or adapter) is kept in "
-        "snapshots/step-N of the run, for learning curves (delft study's curve evaluates them).")
-    max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps; overrides epochs when set.")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training set (when max_steps is unset).")
-    batch_size: int = Field(8, gt=0, description="Examples per micro-batch.")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (LoRA likes 1e-4..5e-4).")
-    lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
-        "cosine", description="After warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay: "
-        "constant, then a cosine decay over the last decay_ratio of the steps).")
-    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd only: the share of steps spent decaying at the end.")
-    neftune_alpha: Optional[float] = Field(
-        None, gt=0, description="NEFTune (arXiv 2310.05914, as TRL and transformers' Trainer have it): uniform noise "
-        "of magnitude alpha / sqrt(positions x hidden size) on the input embeddings while training (e.g. 5); "
-        "unset: off.")
-    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up linearly.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0 = off).")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the LoRA init, data order and dropout (0 to "
-                      "2**32 - 1, numpy's range).")
-    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward (less memory).")
-    distributed: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="With several processes (--nproc, torchrun): ddp keeps the whole model on every rank and "
-        "sums the trainable gradients; fsdp shards weights, gradients and optimizer states over the ranks with "
-        "PyTorch's FSDP2 (fully_shard per decoder layer, then the model), for models that outgrow one card "
-        "(docs/distributed.md). fsdp needs a launcher, and no nf4.")
-    cpu_offload: bool = Field(False, description="fsdp on CUDA only: keep the sharded weights, gradients and "
-                              "optimizer states in CPU memory between uses (FSDP2's CPUOffloadPolicy; slower).")
-    logging_steps: int = Field(5, gt=0, description="Steps between log lines (metrics.jsonl).")
-    eval_steps: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
-    save_steps: int = Field(100, gt=0, description="Steps between checkpoints.")
-    keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept.")
-    loss_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk of the output layer (memory vs speed).")
-    fused_loss: Literal["auto", "on", "off"] = Field(
-        "auto", description="Liger's fused linear cross-entropy on CUDA with Triton; 'off' = pure-torch chunks.")
-    accuracy_steps: int = Field(
-        0, ge=0, description="Steps between held-out greedy exact-match measurements (0 = off); see accuracy_examples.")
-    accuracy_examples: int = Field(
-        32, gt=0, description="Problems in that held-out slice: the first N of the eval set (as delft eval --limit N).")
-
-    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=list, description="Experiment trackers that get every metrics.jsonl row, the recipe as the "
-        "run's config and the loss plot: tensorboard (run_dir/tensorboard), wandb (offline unless WANDB_MODE says "
-        "otherwise), mlflow (run_dir/mlruns unless MLFLOW_TRACKING_URI); each an extra. metrics.jsonl stays the "
-        "source of truth.")
-    early_stopping: Optional[EarlyStoppingConfig] = Field(
-        None, description="Stop when the metric stops improving ({metric, patience, min_delta}); unset: train to "
-        "the end.")
-    keep_best: bool = Field(False, description="Write the best measurement's model (or adapter) at the end instead "
-                            "of the last one (the early_stopping metric, else val_loss); delft_run.json says which "
-                            "step and why.")
-
-    @model_validator(mode="after")
-    def _optimizer_keys(self):
-        fields = type(self).model_fields
-        if self.optimizer != "sgd" and self.momentum != fields["momentum"].default:
-            raise ValueError("momentum only applies to optimizer sgd (AdamW has betas)")
-        if self.optimizer == "sgd" and self.betas != fields["betas"].default:
-            raise ValueError("betas only apply to the AdamW optimizers, not sgd (it has momentum)")
-        if self.lr_scheduler != "wsd" and self.decay_ratio != fields["decay_ratio"].default:
-            raise ValueError("decay_ratio only applies to lr_scheduler wsd")
-        metric = self.early_stopping.metric if self.early_stopping else ("val_loss" if self.keep_best else None)
-        if metric == "heldout_accuracy" and not self.accuracy_steps:
-            raise ValueError("early_stopping.metric heldout_accuracy is measured every train.accuracy_steps: set it")
-        if self.cpu_offload and self.distributed != "fsdp":
-            raise ValueError("cpu_offload moves FSDP's shards to CPU memory: it needs distributed: fsdp")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must each be in [0, 1), not {list(self.betas)}")
-        late = [s for s in self.snapshot_steps if self.max_steps is not None and s > self.max_steps]
-        if late:  # never taken; with epochs train checks once the data gives the total (schedule.check_snapshot_steps)
-            raise ValueError(f"snapshot_steps {late[:5]} come after train.max_steps {self.max_steps}, so they would "
-                             f"never be taken: give steps of at most {self.max_steps}")
-        return self
-
-    @field_validator("snapshot_steps")
-    @classmethod
-    def _snapshots(cls, steps: list[int]) -> list[int]:
-        if any(s <= 0 for s in steps):
-            raise ValueError("snapshot steps are optimizer steps, 1 or more")
-        return sorted(set(steps))
-
-
-class GrpoConfig(Section):
-    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group GRPO normalises "
-                                 "rewards within).")
-    max_completion_length: int = Field(32, gt=0, description="Tokens per sampled completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
-    beta: float = Field(0.0, ge=0, description="KL penalty to the reference model (0: no reference model kept).")
-    reward: Literal["exact", "partial"] = Field(
-        "exact", description="exact: 1 when delft's answer scorer finds the gold number, else 0; partial: exact plus "
-        "partial_alpha x the place-weighted share of right digits, each normalised within its group before the sum.")
-    partial_alpha: float = Field(0.2, ge=0, le=1, description="Weight of the digit share in the partial reward.")
-    reward_functions: list[str] = Field(default_factory=list, description="More TRL reward functions, as "
-                                        "'module:function' (weight 1 each), after delft's.")
-    aux_mu: float = Field(0.0, ge=0, description="mu: the auxiliary term's weight, mu x (CE + loss.weight x the digit "
-                          "term) on the gold solutions of the same prompts (0: GRPO alone).")
-    aux_mu_end: Optional[float] = Field(None, ge=0, description="Decay mu linearly to this by the last step "
-                                        "(CHORD: 0.9 -> 0.05); unset: constant.")
 
 
 class LossConfig(Section):
@@ -605,13 +324,6 @@ class Recipe(Section):
             if changed or t.lr_scheduler == "wsd":
                 raise ValueError(f"train.stage grpo runs TRL's GRPOTrainer with its AdamW and schedules; "
                                  f"{', '.join(changed) or 'lr_scheduler wsd'} only apply to train.stage sft")
-        if self.train.distributed == "fsdp" and self.quantization.mode == "nf4":
-            raise ValueError("train.distributed fsdp shards bf16 or fp32 weights; FSDP2 cannot shard bitsandbytes' "
-                             "packed nf4 weights here: set quantization.mode: none (LoRA on a sharded bf16 base "
-                             "usually fits where QLoRA was needed), or keep nf4 with distributed: ddp")
-        if self.train.distributed == "fsdp" and self.train.stage == "grpo":
-            raise ValueError("train.distributed fsdp applies to train.stage sft; GRPO runs on TRL's GRPOTrainer "
-                             "(use its accelerate FSDP config, or distributed: ddp)")
         tracked = self.train.early_stopping is not None or self.train.keep_best
         if tracked and (self.train.early_stopping is None or self.train.early_stopping.metric == "val_loss") \
                 and self.data.val_size == 0:
@@ -621,6 +333,30 @@ class Recipe(Section):
         if self.model.init == "scratch" and self.data.max_length > self.model.architecture.context:
             raise ValueError(f"data.max_length {self.data.max_length} is longer than model.architecture.context "
                              f"{self.model.architecture.context}")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding(self):
+        """What train.distributed fsdp cannot do, from the recipe alone (training's launch checks are in
+        delft.training.sharding.check_launch)."""
+        t = self.train
+        if t.distributed != "fsdp":
+            return self
+        if self.quantization.mode == "nf4":
+            raise ValueError("train.distributed fsdp shards bf16 or fp32 weights; FSDP2 cannot shard bitsandbytes' "
+                             "packed nf4 weights here: set quantization.mode: none (LoRA on a sharded bf16 base "
+                             "usually fits where QLoRA was needed), or keep nf4 with distributed: ddp")
+        if t.stage == "grpo":
+            raise ValueError("train.distributed fsdp applies to train.stage sft; GRPO runs on TRL's GRPOTrainer "
+                             "(use its accelerate FSDP config, or distributed: ddp)")
+        if t.finetuning == "lora" and not self.model.adapter and self.lora.init in MUTATING_INITS:
+            raise ValueError(f"lora.init {self.lora.init} changes the base weights and converts the adapter against "
+                             "them at the end, which delft does on whole weights, not on FSDP's shards: use "
+                             "lora.init: default (or gaussian) with train.distributed fsdp, or train it with ddp")
+        if t.optimizer in EIGHT_BIT_OPTIMIZERS:
+            raise ValueError(f"train.optimizer {t.optimizer} is bitsandbytes' optimizer, which cannot step FSDP's "
+                             "sharded weights (DTensors): use train.optimizer: adamw with train.distributed fsdp "
+                             "(its states are sharded too)")
         return self
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""``delft train RECIPE``: the recipe read with its ``--set`` overrides, ``--nproc`` relaunched under torchrun, and the
+"""``delft train RECIPE``: the recipe (read by the CLI with its ``--set`` overrides), ``--nproc`` relaunched under torchrun, and the
 recipe's stage trained (delft.training.stages) with the command that resumes it spelled for the user."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from delft.recipe.files import load_recipe
+from delft.recipe.schema import Recipe
 from delft.training.distributed import (
     LAUNCH_COMMAND_ENV,
     Nodes,
@@ -24,12 +24,11 @@ from delft.training.distributed import (
 from delft.training.stages import run_training
 
 
-def train_command(recipe: Path, overrides: list[str], resume: Optional[bool], force: bool, nproc: Optional[int],
-                  oversubscribe: bool, console: Console, nodes: Nodes = Nodes()) -> Path:
-    """Train the recipe at ``recipe``; with ``nproc`` given (more than one, or for a sharded run any number) or
-    several nodes, this process hands over to torchrun starting ``nproc`` workers on this machine (default 1)."""
-    nodes.check()
-    cfg = load_recipe(recipe, overrides)
+def train_command(cfg: Recipe, resume: Optional[bool], force: bool, nproc: Optional[int], oversubscribe: bool,
+                  console: Console, nodes: Nodes = Nodes()) -> Path:
+    """Train ``cfg`` (the recipe as the CLI read it, with its ``--set`` overrides: checked before this module loads
+    torch); with ``nproc`` given (more than one, or for a sharded run any number) or several nodes, this process
+    hands over to torchrun starting ``nproc`` workers on this machine (default 1)."""
     sharded = cfg.train.distributed == "fsdp"
     again = shlex.join(["delft", *(a for a in sys.argv[1:] if a not in ("--force", "--no-resume"))])
     if (nproc or 1) > 1 or nodes.count > 1 or (sharded and nproc is not None):

@@ -20,14 +20,14 @@ from delft.data.pipeline import check_not_all_empty, load_examples
 from delft.models.context import check_max_length
 from delft.models.loading import (
     BNB_CPU_FLOOR,
-    EIGHT_BIT_OPTIMIZERS,
     bitsandbytes_version,
     check_bitsandbytes_cpu,
-    check_paged_on_cpu,
+    check_eight_bit_on_cpu,
     release,
     resolve_device,
 )
 from delft.recipe.schema import GENERATED
+from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 from delft.training.loggers import check_backends
 
 
@@ -63,8 +63,7 @@ def check_bitsandbytes_here(recipe) -> None:
     if resolve_device(recipe.model.device) != "cpu":
         return
     if eight_bit:
-        check_paged_on_cpu(t.optimizer)
-        check_bitsandbytes_cpu(f"train.optimizer {t.optimizer}", "train.optimizer")
+        check_eight_bit_on_cpu(t.optimizer)
     if nf4:
         check_bitsandbytes_cpu("quantization.mode nf4", "quantization.mode")
 

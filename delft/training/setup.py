@@ -15,22 +15,21 @@ from delft.losses.loss import Loss
 from delft.losses.registry import FUSED_CE, GLOBAL
 from delft.models.context import check_max_length
 from delft.models.loading import (
-    EIGHT_BIT_OPTIMIZERS,
     apply_liger_layers,
     apply_lora,
-    check_bitsandbytes_cpu,
-    check_paged_on_cpu,
+    check_eight_bit_on_cpu,
     continue_lora,
     load_model,
     load_tokenizer,
     make_trainable,
     resolve_device,
     resolve_dtype,
-    resolve_quantization,
 )
 from delft.models.scratch import recipe_model_ref
 from delft.numbers.tokens import NumberVocab
+from delft.recipe.model_section import resolve_quantization
 from delft.recipe.schema import Recipe
+from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 from delft.training import distributed as dist
 
 
@@ -51,9 +50,7 @@ class Setup:
 
 def setup(recipe: Recipe) -> Setup:
     device = resolve_device(recipe.model.device)
-    quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning)
-    if recipe.train.distributed == "fsdp" and quant == "nf4":  # auto: FSDP shards plain weights, never nf4
-        quant = "none"
+    quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning, recipe.train.distributed)
     ref = recipe_model_ref(recipe)
     if recipe.model.init != "scratch" and ref.is_local:  # a hub model is here now: its config.json, before weights
         check_max_length(recipe.data.max_length, Path(ref.path), recipe.model.name)
@@ -103,8 +100,7 @@ def build_optimizer(s: Setup, params: list, dtype):
 
     t = s.recipe.train
     if t.optimizer in EIGHT_BIT_OPTIMIZERS and s.device == "cpu":
-        check_paged_on_cpu(t.optimizer)
-        check_bitsandbytes_cpu(f"train.optimizer {t.optimizer}", "train.optimizer")
+        check_eight_bit_on_cpu(t.optimizer)
     common = dict(lr=t.learning_rate, weight_decay=t.weight_decay)
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, momentum=t.momentum, **common)

@@ -22,8 +22,9 @@ from delft.data.batches import collate, collate_packed
 from delft.errors import UserError
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH
 from delft.models.context import check_model_max_length
-from delft.models.loading import MUTATING_INITS, resolve_device, save_initial_adapter
+from delft.models.loading import resolve_device, save_initial_adapter
 from delft.outputs import follow_umask, no_space_is_a_user_error, staged
+from delft.recipe.model_section import MUTATING_INITS
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
 from delft.training import sharded_checkpoints, sharding

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from delft.errors import UserError
-from delft.models.loading import MUTATING_INITS, plain_model
+from delft.models.loading import plain_model
 from delft.training import distributed as dist
 from delft.training.step import forward_sums
 
@@ -54,7 +54,8 @@ class LossStep(nn.Module):
 
 
 def check_launch(recipe, device: str) -> None:
-    """What sharding cannot do here, refused before any weights load."""
+    """What sharding cannot do here (launch and device), refused before any weights load; what it cannot do with
+    the recipe alone (nf4, grpo, pissa/olora, an 8-bit optimizer) the schema refuses (``Recipe._sharding``)."""
     if not dist.launched():
         raise UserError("train.distributed fsdp shards the model over several processes, and this is one process "
                         "that no launcher started", "train.distributed",
@@ -63,14 +64,6 @@ def check_launch(recipe, device: str) -> None:
     if recipe.train.cpu_offload and device != "cuda":
         raise UserError("train.cpu_offload keeps FSDP's shards in CPU memory to spare a GPU's, and this run trains "
                         "on the CPU already", "train.cpu_offload", "Drop train.cpu_offload (or set it to false).")
-    if recipe.train.finetuning == "lora" and not recipe.model.adapter and recipe.lora.init in MUTATING_INITS:
-        raise UserError(f"lora.init {recipe.lora.init} changes the base weights and converts the adapter against "
-                        "them at the end, which delft does on whole weights, not on FSDP's shards", "lora.init",
-                        "Use lora.init: default (or gaussian) with train.distributed fsdp, or train it with ddp.")
-    if recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        raise UserError(f"train.optimizer {recipe.train.optimizer} is bitsandbytes' optimizer, which cannot step "
-                        "FSDP's sharded weights (DTensors)", "train.optimizer",
-                        "Use train.optimizer: adamw with train.distributed fsdp (its states are sharded too).")
 
 
 def decoder_layers(model) -> list[nn.Module]:

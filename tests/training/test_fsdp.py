@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import adapter_weights, recipe_file, run_cli
+from helpers import REPO, adapter_weights, recipe_file, run_cli
 from test_distributed import LOGGED, finished, start, torchrun, wait_for
 
 # Two ranks sum their gradient shards in another order than one process accumulates them, and AdamW's first steps
@@ -192,17 +192,32 @@ def test_fsdp_without_a_launcher_is_refused_before_any_weights_load(tmp_path, ti
 @pytest.mark.parametrize("section,values,needle", [
     ("quantization", {"mode": "nf4"}, "cannot shard bitsandbytes' packed nf4 weights"),
     ("train", {"cpu_offload": True, "distributed": "ddp"}, "cpu_offload moves FSDP's shards"),
+    ("train", {"optimizer": "adamw_8bit"}, "cannot step FSDP's sharded weights (DTensors): use train.optimizer: adamw"),
+    ("train", {"optimizer": "paged_adamw_8bit"}, "cannot step FSDP's sharded weights"),
+    ("lora", {"init": "pissa"}, "which delft does on whole weights, not on FSDP's shards: use lora.init: default"),
+    ("lora", {"init": "olora"}, "not on FSDP's shards"),
 ])
 def test_what_fsdp_cannot_do_is_refused_in_the_recipe(tmp_path, tiny_model_dir, section, values, needle):
+    """recipe check refuses it (and train with the same paragraph, before it relaunches under torchrun or takes
+    the run's lock: no run directory is made)."""
     train = {"distributed": "fsdp"}
     if section == "train":
         train.update(values)
     recipe = recipe_file(tmp_path, tiny_model_dir, train=train, **({section: values} if section != "train" else {}))
-    r = run_cli("recipe", "check", str(recipe))
-    assert r.exit_code == 2 and needle in " ".join(r.output.split())
+    checked = run_cli("recipe", "check", str(recipe))
+    assert checked.exit_code == 2 and needle in " ".join(checked.output.split())
+    trained = run_cli("train", str(recipe), "--nproc", "2")
+    assert trained.exit_code == 2 and " ".join(trained.output.split()) == " ".join(checked.output.split())
+    assert not (tmp_path / "run").exists()
 
 
-def test_cpu_offload_on_the_cpu_8bit_optimizers_and_pissa_are_refused(tmp_path, tiny_model_dir, monkeypatch):
+def test_quickstart_with_fsdp_and_pissa_is_refused_by_recipe_check():
+    r = run_cli("recipe", "check", "--set", "train.distributed=fsdp", "--set", "lora.init=pissa", "--set",
+                "quantization.mode=none", REPO / "recipes" / "quickstart.yaml")
+    assert r.exit_code == 2 and "lora.init pissa changes the base weights" in " ".join(r.output.split())
+
+
+def test_cpu_offload_on_the_cpu_is_refused(tmp_path, tiny_model_dir, monkeypatch):
     from delft.errors import UserError
     from delft.recipe.files import load_recipe
     from delft.training.sharding import check_launch
@@ -212,14 +227,6 @@ def test_cpu_offload_on_the_cpu_8bit_optimizers_and_pissa_are_refused(tmp_path, 
                                       train={"distributed": "fsdp", "cpu_offload": True}))
     with pytest.raises(UserError, match="trains on the CPU already"):
         check_launch(offload, "cpu")
-    eight = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="b",
-                                    train={"distributed": "fsdp", "optimizer": "adamw_8bit"}))
-    with pytest.raises(UserError, match="cannot step FSDP's sharded weights"):
-        check_launch(eight, "cuda")
-    pissa = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="c", train={"distributed": "fsdp"},
-                                    lora={"init": "pissa"}))
-    with pytest.raises(UserError, match="not on FSDP's shards"):
-        check_launch(pissa, "cpu")
 
 
 def test_nccl_asked_for_on_the_cpu_is_refused(monkeypatch):
