@@ -304,6 +304,8 @@ def compare(
     no_transfer: bool = typer.Option(
         False, "--no-transfer", help="Only the synthetic held-out set, even with --transfer."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
+    plan: bool = typer.Option(False, "--plan", help="Train nothing: check the recipes as a comparison and print "
+                              "every run (finished, resumed or to train), the steps left and the sets to score."),
     allow_seen: bool = _allow_seen_option(),
     fewshot: Optional[int] = _fewshot_option(),
     samples: Optional[int] = _samples_option(),
@@ -311,9 +313,12 @@ def compare(
     top_p: Optional[float] = _top_p_option(),
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
-    from delft.experiments.compare import run_compare
+    from delft.experiments.compare import plan_compare, run_compare
 
     set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
+    if plan:
+        plan_compare(recipes, seeds, set_, console, transfer, transfer_format, transfer_limit, no_transfer)
+        return
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force,
@@ -326,7 +331,9 @@ def study(
     study_file: Path = typer.Argument(..., help="A study file (recipes/study/*.study.yaml): recipes, seeds, eval sets."),
     data_dir: Optional[Path] = typer.Option(
         None, "--data-dir", help="Folder holding the study's data files: its relative data paths are looked up here."),
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    set_: List[str] = typer.Option([], "--set", help="Override a key of the study file (--set seeds=[0,1], --set "
+                                   "evals.held_out.limit=100) or of its recipes (--set train.max_steps=50); "
+                                   "repeatable."),
     train_only: bool = typer.Option(False, "--train-only", help="Train (or resume) the missing runs, then stop."),
     force: bool = typer.Option(False, "--force", help="Replace earlier results in the study's out (as a set)."),
     plan: bool = typer.Option(False, "--plan", help="Train nothing: print, for each comparison, the smallest "
@@ -429,9 +436,10 @@ def _check_study(path: Path, data_dir: Optional[Path], overrides: List[str]) -> 
     """A study file, its recipes (each as recipe check checks one, compared as delft study compares them) and its
     eval sets; data files that are not here are named, and pass only where no --data-dir was given."""
     from delft.experiments.arms import resolve_contenders
-    from delft.experiments.study import eval_data, load_study
+    from delft.experiments.study import eval_data, load_study, split_overrides
 
-    study = load_study(path)
+    own, overrides = split_overrides(overrides)  # --set seeds=... reaches the study file, train.* its recipes
+    study = load_study(path, own)
     contenders = resolve_contenders([path.parent / r for r in study.recipe_files()], overrides, console,
                                     "delft study", f"{path}: recipes")
     for c in contenders:

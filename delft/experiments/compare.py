@@ -34,6 +34,7 @@ from delft.evaluation.report import write_plot
 from delft.evaluation.runs import check_runs, resolve_settings
 from delft.experiments.arms import Contender, check_seeds, reference_name, resolve_contenders, train_all
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready, markdown_summary
+from delft.experiments.totals import planned_runs, show_runs, totals_line
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
 from delft.recipe.schema import DataConfig, Recipe
 
@@ -111,6 +112,42 @@ def _report_settings(cfg0: Recipe, contenders: Sequence[Contender], seeds: Seque
     }
 
 
+def _evals_text(cfg0: Recipe, transfer_cfg) -> str:
+    """The sets compare scores, in words (the synthetic set's size as the recipe's eval.limit gives it)."""
+    limit = f" ({cfg0.eval.limit} problems)" if cfg0.eval.limit else ""
+    transfer = "" if transfer_cfg is None else f" and {transfer_cfg.source} (its first {transfer_cfg.limit})"
+    return f"the held-out synthetic set{limit}{transfer}"
+
+
+def announce(contenders: Sequence[Contender], seeds: Sequence[int], cfg0: Recipe, transfer_cfg, console: Console,
+             table: bool = False) -> list:
+    """Say the job's size before any training (with ``table``, run by run: --plan); returns the planned runs."""
+    planned = planned_runs(contenders, seeds)
+    if table:
+        show_runs(planned, console, f"delft compare --plan: {len(contenders)} recipes x {len(seeds)} seed(s)")
+    console.print(f"[bold]delft compare[/]: {totals_line(planned, len(contenders), len(seeds))}; then the base model "
+                  f"and {len(planned)} runs answer {_evals_text(cfg0, transfer_cfg)}", highlight=False)
+    return planned
+
+
+def plan_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), overrides: Sequence[str] = (),
+                 console: Optional[Console] = None, transfer: Optional[str] = None,
+                 transfer_format: str = DEFAULT_TRANSFER_FORMAT, transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
+                 no_transfer: bool = False) -> list:
+    """``delft compare --plan``: the recipes resolved and checked as a comparison, every run's state and the steps
+    left, the sets to score; nothing trained, evaluated or written. Returns the planned runs."""
+    console = console or Console()
+    seeds = check_seeds(seeds, "--seed")
+    contenders = resolve_contenders(recipe_paths, overrides, console)
+    cfg0 = contenders[0].for_seed(seeds[0])
+    transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
+        else None
+    planned = announce(contenders, seeds, cfg0, transfer_cfg, console, table=True)
+    console.print("[dim]--plan: nothing was trained, evaluated or written; the same command without --plan runs "
+                  "it.[/]")
+    return planned
+
+
 def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: Path = Path("results/compare"),
                 overrides: Sequence[str] = (), console: Optional[Console] = None,
                 transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
@@ -140,6 +177,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     if transfer_cfg is not None:
         refuse_seen_before_training(transfer_cfg, cfg0.data, f"the transfer set {transfer}", "--transfer", allow_seen)
     command = _command(recipe_paths, seeds, out, overrides)
+    announce(contenders, seeds, cfg0, transfer_cfg, console)
     runs, training = train_all(contenders, seeds, console, command)
 
     # the settings delft eval would use with the first recipe

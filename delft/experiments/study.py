@@ -64,16 +64,18 @@ from delft.experiments.power import (
     endpoint_lines,
     flag_lines,
     plan_cells,
+    pilot_detail,
     plan_rows,
     read_pilot,
 )
-from delft.experiments.seed_level import MARGIN, analyse, analysis_renderables
+from delft.experiments.seed_level import FLOOR, MARGIN, analyse, analysis_renderables, scores_by_seed
 from delft.experiments.seed_tests import ALPHA, POWER
 from delft.experiments.summary import study_summary
 from delft.experiments.transitions import check_measured, run_transitions
 from delft.models.scratch import base_name
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
-from delft.recipe.files import read_yaml
+from delft.experiments.totals import planned_runs, show_runs, totals_line
+from delft.recipe.files import _merge, parse_overrides, read_yaml
 from delft.recipe.schema import (
     GENERATED,
     DataConfig,
@@ -206,13 +208,24 @@ class StudyConfig(Section):
         return seeds
 
 
-def load_study(path: Path) -> StudyConfig:
+def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """--set items for the study file's own keys (seeds, margin, evals.NAME.limit, plan.seed_spread: a key whose
+    first part is a study file key) and for its recipes (model, data, train, loss, eval, ...): the two name
+    different keys, so each --set reaches the one it names."""
+    own = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] in StudyConfig.model_fields]
+    return own, [o for o in overrides if o not in own]
+
+
+def load_study(path: Path, overrides: Sequence[str] = ()) -> StudyConfig:
+    """The study file, with ``overrides`` (--set items of its own keys, split_overrides) applied."""
     data = read_yaml(Path(path))
+    if overrides:
+        data = _merge(data, parse_overrides(list(overrides)))
     try:
         study = StudyConfig.model_validate(data)
     except ValidationError as e:
         problems = "; ".join(describe_error(err, StudyConfig) for err in e.errors())
-        raise UserError(f"invalid study file: {problems}", str(path),
+        raise UserError(f"invalid study file: {problems}", f"{path}{' (with --set overrides)' if overrides else ''}",
                         "A study file has recipes, seeds, out and evals (see recipes/study/).") from None
     bad = [name for name in study.evals if not name.replace("_", "").replace("-", "").isalnum()]
     if bad:
@@ -557,6 +570,25 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
     return report
 
 
+def _floored_in_pilot(pilot: Optional[dict], planned: list[dict]) -> list[tuple[str, str]]:
+    """The (set, recipe) comparisons the pilot ran with 2 or more seeds beside the reference but shows no spread
+    for, because a side sat on the floor there (power.pilot_detail leaves those out): the plan leaves them out
+    and says so, as the study reads a difference on a floor as not readable."""
+    if pilot is None:
+        return []
+    piloted = pilot_detail(pilot)
+    out = []
+    for r in planned:
+        sec = pilot.get("evals", {}).get(r["set"])
+        if (r["set"], r["recipe"]) in piloted or not sec or sec["settings"].get("mode") != "greedy":
+            continue
+        scores = scores_by_seed(sec)
+        shared = set(scores.get(r["recipe"], {})) & set(scores.get(sec["settings"].get("reference"), {}))
+        if len(shared) >= 2 and (r["set"], r["recipe"]) not in out:
+            out.append((r["set"], r["recipe"]))
+    return out
+
+
 def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     """The detectable difference of every comparison the study will make, from its stated or piloted spread
     (delft.experiments.power), the endpoints' smallest p (those that cannot reach the level: descriptive, outside
@@ -576,9 +608,11 @@ def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     calibrators = study.calibrators()
     family = len([r for r in planned if r["recipe"] not in calibrators]) + sum(
         not e["descriptive"] and e["recipe"] not in calibrators for e in endpoints)
+    floored = _floored_in_pilot(pilot, planned) if spec.seed_spread is None else []
     try:
-        rows = plan_rows(planned, len(study.seeds), study.margin, spec.seed_spread, pilot, family, study.decide,
-                         spec.problem_variance, calibrators)
+        rows = plan_rows([r for r in planned if (r["set"], r["recipe"]) not in floored], len(study.seeds),
+                         study.margin, spec.seed_spread, pilot, family, study.decide, spec.problem_variance,
+                         calibrators)
     except Unpiloted as e:
         missing = ", ".join(f"{r} on {s}" for s, r in e.args[0])
         raise UserError(f"the pilot {spec.pilot} did not run {missing}: a pilot must run every arm it plans for "
@@ -593,8 +627,27 @@ def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
             "source": " and ".join(x for x in ("seed_spread" if spec.seed_spread is not None else "", spec.pilot or "")
                                    if x),
             "rows": rows, "family": family, "endpoints": endpoints,
+            "floored": [{"set": s, "recipe": r} for s, r in floored],
             "descriptive": [{"recipe": e["recipe"], "metric": e["metric"]} for e in endpoints if e["descriptive"]],
             "flags": control_flags(pilot, study.controls(), calibrators)}
+
+
+def _totals(study: StudyConfig, contenders, runs) -> str:
+    """The study's size in one line: runs, steps to train, and the sets every model answers."""
+    return (f"[bold]delft study[/]: {totals_line(runs, len(contenders), len(study.seeds))}; then the base model and "
+            f"{len(runs)} runs answer {len(study.evals)} set(s): " + ", ".join(
+                f"{k} ({v.limit} problems)" if v.limit else k for k, v in study.evals.items()))
+
+
+def _own_results_as_pilot(study: StudyConfig, path: Path, console: Console) -> None:
+    """With no spread stated, the study's own earlier results (out/study.json) serve --plan as its pilot, said so:
+    a plan for rerunning a study, or for adding seeds to it, is what its seeds showed."""
+    own = Path(study.out) / STUDY_JSON
+    if study.plan.seed_spread is None and study.plan.pilot is None and own.is_file():
+        study.plan.pilot = str(own.resolve())
+        console.print(f"[yellow]note:[/] the study file states no plan.seed_spread or plan.pilot, so its own results "
+                      f"{own} serve as the pilot (the spread its seeds showed; state plan.pilot to plan from another)",
+                      highlight=False)
 
 
 def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
@@ -603,12 +656,19 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
     run; a warning where that is larger than the margin."""
     console = console or Console()
     path = Path(path)
-    study = load_study(path)
-    plan = _plan(study, path, _contenders(study, path, overrides, data_dir, console))
+    own, overrides = split_overrides(overrides)
+    study = load_study(path, own)
+    contenders = _contenders(study, path, overrides, data_dir, console)
+    runs = planned_runs(contenders, study.seeds)
+    show_runs(runs, console, f"delft study --plan: {len(contenders)} recipes x {len(study.seeds)} seed(s)")
+    console.print(_totals(study, contenders, runs), highlight=False)
+    _own_results_as_pilot(study, path, console)
+    plan = _plan(study, path, contenders)
     if plan is None:
         raise UserError("the study file states no spread between seeds, so there is nothing to compute power from",
                         f"{path}: plan", "State plan.seed_spread (points: how much the effect varies from seed to "
-                        "seed) or plan.pilot (an earlier study.json with 2 or more seeds).")
+                        "seed) or plan.pilot (an earlier study.json with 2 or more seeds), or run the study once "
+                        f"(its {Path(study.out) / STUDY_JSON} then serves as the pilot).")
     test = {"t": "t test over seeds", "two_way": "two-way interval over seeds and problems"}.get(
         study.decide, f"{study.decide} test over seeds")
     table = Table(title=f"delft study --plan: {len(study.seeds)} seeds, {100 * POWER:.0f} % power, {test} at Holm's "
@@ -621,6 +681,12 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
     console.print(table)
     for line in endpoint_lines(plan):
         console.print(line, highlight=False)
+    for key in dict.fromkeys(f["set"] for f in plan["floored"]):
+        recipes = [f["recipe"] for f in plan["floored"] if f["set"] == key]
+        console.print(f"[yellow]note:[/] on {key} a side sat on the floor in the pilot ({', '.join(recipes)} against "
+                      f"the reference, below {100 * FLOOR:g} % exact), so it shows no spread to plan with: those "
+                      "comparisons are left out of the table, and the study reads a difference on a floor as not "
+                      "readable", highlight=False)
     for line in flag_lines(plan):
         console.print(f"[yellow]warning:[/] {line[2:]}", highlight=False)
     wide = [r for r in plan["rows"] if r["above_margin"]]
@@ -639,11 +705,13 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     that is mostly the runs' training data only with ``allow_seen``."""
     console = console or Console()
     path = Path(path)
-    study = load_study(path)
+    command = _command(path, data_dir, overrides)
+    own, overrides = split_overrides(overrides)
+    study = load_study(path, own)
     out = Path(study.out)
     contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force,
                                               allow_seen)
-    command = _command(path, data_dir, overrides)
+    console.print(_totals(study, contenders, planned_runs(contenders, study.seeds)), highlight=False)
     start = time.perf_counter()
     runs, training = train_all(contenders, study.seeds, console, command)
     trained_s = time.perf_counter() - start
