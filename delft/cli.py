@@ -97,7 +97,7 @@ def _reported(fn, *args, **kwargs):
         if DEBUG:
             raise
         label = "error" if isinstance(e, UserError) else "verification failed"
-        from delft.training.distributed import report_error
+        from delft.training.launch import report_error
 
         if not report_error(str(e), e.exit_code):  # a --nproc worker leaves it to the parent, printed once
             # escaped: a message's own brackets (pip install -e ".[gguf]") are text, not rich markup
@@ -174,7 +174,7 @@ def train(
 ):
     """Fine-tune with QLoRA and a digit-aware loss; writes an adapter to the recipe's output.dir."""
     from delft.recipe.files import load_recipe
-    from delft.training.distributed import Nodes
+    from delft.training.launch import Nodes
 
     nodes = Nodes(nnodes, node_rank, master_addr, master_port)
     nodes.check()
@@ -524,7 +524,7 @@ def main() -> None:
     except SystemExit as e:  # the command ended on its own terms (a handled Ctrl-C or SIGTERM included): its exit code
         signals.forget_handled_interrupt()
         if e.code in (signals.exit_code(signal.SIGINT), signals.exit_code(signal.SIGTERM)):
-            from delft.training.distributed import report_stop
+            from delft.training.launch import report_stop
 
             report_stop(e.code)  # a --nproc worker: its launcher ends the same way, without torchrun's traceback
         raise

@@ -12,15 +12,8 @@ from typing import Optional
 from rich.console import Console
 
 from delft.recipe.schema import Recipe
-from delft.training.distributed import (
-    LAUNCH_COMMAND_ENV,
-    Nodes,
-    check_nproc,
-    launched,
-    relaunch,
-    strip_nproc,
-    world_size,
-)
+from delft.training.distributed import launched, world_size
+from delft.training.launch import LAUNCH_COMMAND_ENV, Nodes, check_nproc, relaunch, strip_nproc
 from delft.training.stages import run_training
 
 

@@ -97,10 +97,42 @@ def resume_differences(run_dir: Path, saved: Recipe, recipe: Recipe, console: Co
     the one inside run_dir: another output.dir in it only says the directory was moved or renamed since (or is
     named by another path), and it is this directory that is resumed."""
     diff = recipe_differences(saved, recipe, (*RESUME_FREE_KEYS, "output.dir"))
-    diff = dist.check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
+    diff = check_resume(rundir.read_info(run_dir), saved, recipe, diff, console)
     if saved.output.dir != recipe.output.dir and Path(saved.output.dir).absolute() != run_dir.absolute():
         console.print(f"{run_dir} was trained as {saved.output.dir}: resuming it where it is now.", highlight=False)
     return diff
+
+
+def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], console) -> list[str]:
+    """The recipe differences left after allowing a new world size with the same global batch.
+
+    The global batch is ``batch_size x grad_accum x world_size``; a resume may trade grad_accum for processes
+    as long as that product and batch_size stay. Then the step sequence and the examples are the same, but
+    not which rank runs which micro-batch, so dropout masks differ from an uninterrupted run (said).
+    """
+    if "train.distributed" in diff:
+        raise UserError(f"the run was trained with train.distributed {saved_recipe.train.distributed} and this "
+                        f"recipe says {recipe.train.distributed}; its checkpoints hold "
+                        f"{'shards' if saved_recipe.train.distributed == 'fsdp' else 'whole weights'}, which the "
+                        "other way cannot resume", "train.distributed",
+                        f"Resume it with train.distributed: {saved_recipe.train.distributed} (its recipe.yaml), or "
+                        "start a new run from its final model or adapter once it has finished.")
+    was, now = int(saved_info.get("world_size", 1)), dist.world_size()
+    if was == now:
+        return diff
+    st, t = saved_recipe.train, recipe.train
+    rest = [d for d in diff if d != "train.grad_accum"]
+    if st.batch_size == t.batch_size and st.grad_accum * was == t.grad_accum * now:
+        console.print(f"[yellow]Resuming with {now} process(es) instead of {was}[/]: the same global batch "
+                      f"({t.batch_size} x {t.grad_accum} x {now}) and the same examples per step; dropout masks "
+                      "differ from an uninterrupted run.")
+        return rest
+    need = st.grad_accum * was / now
+    fix = (f"Run it with {was} process(es) again" + (f", or with {now} and --set train.grad_accum={int(need)}"
+                                                      if need == int(need) and need >= 1 else "") + ".")
+    raise UserError(f"the run was trained with {was} process(es) and a global batch of {st.batch_size} x "
+                    f"{st.grad_accum} x {was}; {now} process(es) with train.grad_accum={t.grad_accum} would change "
+                    "it", "output.dir", fix)
 
 
 def check_steps_left(ckpt: Path, total_steps: int) -> None:

@@ -38,7 +38,7 @@ from delft.training.checkpoints import (
 )
 from delft.training.early_stopping import BEST_DIR, BEST_INFO, EarlyStopping
 from delft.training.heldout import HeldOut
-from delft.training.loggers import Reporters, check_backends
+from delft.training.loggers import Reporters
 from delft.training.neftune import add_neftune
 from delft.training.progress import ProgressLines
 from delft.training.report import peak_memory_gb
@@ -94,8 +94,6 @@ class Trainer:
         self.stopped_at: Optional[int] = None
         self.final_from_best = False  # the final files are best/'s (keep_best), not the last step's
         self.reporters = None  # delft.training.loggers.Reporters once the run directory is open (train.report_to)
-        if t.report_to:
-            check_backends(t.report_to)
         self.heldout = HeldOut.from_recipe(s.recipe, s.tokenizer, run.console) if t.accuracy_steps else None
 
     @property

@@ -94,7 +94,7 @@ def test_schedule_counts_optimizer_batches_of_all_ranks(tmp_path, tiny_model_dir
 
 
 def test_nproc_is_stripped_before_relaunch():
-    from delft.training.distributed import strip_nproc
+    from delft.training.launch import strip_nproc
 
     assert strip_nproc(["train", "r.yaml", "--nproc", "2", "--force", "--nproc=3"]) == ["train", "r.yaml", "--force"]
 
@@ -104,7 +104,7 @@ def test_resume_with_another_world_size_needs_the_same_global_batch(tmp_path, ti
 
     from delft.errors import UserError
     from delft.recipe.files import load_recipe
-    from delft.training.distributed import check_resume
+    from delft.training.resume import check_resume
 
     saved = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="a", train={"grad_accum": 2}))
     same_global = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="b", train={"grad_accum": 1}))

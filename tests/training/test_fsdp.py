@@ -247,7 +247,7 @@ def test_a_ddp_checkpoint_is_not_resumed_sharded(tmp_path, tiny_model_dir, monke
 
     from delft.errors import UserError
     from delft.recipe.files import load_recipe
-    from delft.training.distributed import check_resume
+    from delft.training.resume import check_resume
 
     saved = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="a"))
     sharded = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="b", train={"distributed": "fsdp"}))

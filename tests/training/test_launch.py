@@ -1,6 +1,6 @@
 """Stopping a sharded run together and keeping its rendezvous where the user said (delft.training.signals,
-delft.training.run, delft.training.distributed, delft.training.launch): real 2-rank runs on the CPU (gloo), a signal
-sent to one process, the listening sockets read from /proc."""
+delft.training.run, delft.training.distributed, delft.training.launch and its agent): real 2-rank runs on the CPU
+(gloo), a signal sent to one process, the listening sockets read from /proc."""
 
 import json
 import os
