@@ -363,6 +363,9 @@ def recipe_check(
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     plan: bool = typer.Option(False, "--plan", help="Estimate peak GPU memory and say whether it fits."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory to plan for, e.g. 8GiB."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="With --plan: plan a shipped model shape (qwen2.5-7b, "
+                                        "llama-3.1-8b, mistral-7b-v0.3, phi-3-mini, ...) instead of model.name's "
+                                        "config.json; an unknown name lists them all."),
     world_size: int = typer.Option(1, "--world-size", min=1, help="Plan each GPU of a run on N processes."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="Plan the run as ddp or fsdp (the same as "
                                               "--set train.distributed=...; default: the recipe's)."),
@@ -382,6 +385,9 @@ def recipe_check(
 
     if gpu_memory is not None:
         parse_memory(gpu_memory)  # a bad budget is refused before the plan is worked out and printed
+    if shape is not None and not plan:
+        raise UserError(f"--shape {shape} sizes the memory plan, and no --plan was asked for", "--shape",
+                        f"Add --plan: delft recipe check {recipe} --plan --shape {shape}.")
     if is_study_file(resolve_recipe(recipe)):
         _check_study(resolve_recipe(recipe), data_dir, set_)
         return
@@ -399,7 +405,7 @@ def recipe_check(
     if plan:
         from delft.planning.command import run_plan
 
-        run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size)
+        run_plan(cfg, gpu_memory=gpu_memory, console=console, world_size=world_size, shape=shape)
     if show_examples:
         from delft.training.preview import show_examples as show
 

@@ -18,7 +18,7 @@ from delft.planning.memory import (
     planned_fused,
     planned_nf4,
 )
-from delft.planning.shapes import model_shape, read_model_config, with_number_tokens
+from delft.planning.shapes import NUMBER_TOKENS, model_shape, read_model_config, shipped_shape, with_number_tokens
 
 
 def _state_words(recipe) -> str:
@@ -187,16 +187,35 @@ def _print_fit(console, fit: dict, budget: int) -> None:
         console.print(f"  with {h['change']}: {at}", highlight=False)
 
 
-def run_plan(recipe, gpu_memory: Optional[str], console, world_size: int = 1) -> dict:
+def _model_config(recipe, shape: Optional[str]) -> tuple:
+    """(recipe, config, where it came from, a note on its number tokens): model.name's config.json, or with
+    ``shape`` a shipped shape, the recipe then naming the model it is the shape of."""
+    if shape is None:
+        config, source = read_model_config(recipe)
+        config, note = with_number_tokens(config, source)
+        if recipe.model.init == "scratch" and recipe.model.tokenizer == "char":
+            note = ""  # single digits, as with_number_tokens assumed
+        return recipe, config, source, note
+    if recipe.model.init == "scratch":
+        raise UserError("--shape plans a pretrained model's shape, and this recipe builds its model from scratch "
+                        "(model.init: scratch, its shape in model.architecture)", "--shape",
+                        "Drop --shape: the plan reads model.architecture.")
+    config, source, hub_id = shipped_shape(shape)
+    recipe = recipe.model_copy(deep=True)
+    recipe.model.name = hub_id
+    count = config[NUMBER_TOKENS]
+    kind = "each digit alone" if count == 10 else "1-3 digit numbers as single tokens"
+    return recipe, config, source, f"number tokens: {count:,} ({kind}), from the shipped shape"
+
+
+def run_plan(recipe, gpu_memory: Optional[str], console, world_size: int = 1, shape: Optional[str] = None) -> dict:
     """Print the estimate as a table, whether it fits ``gpu_memory`` and which knob to turn; returns the numbers.
 
     With ``world_size`` > 1 every figure is per GPU: one process's plan plus NCCL's buffers (``per_gpu``), or under
     train.distributed fsdp each rank's share (``plan_fsdp``). Under fsdp with a budget, the result's
-    "world_size_fit" (``world_size_fit``) also says at which world size the run first fits it."""
-    config, source = read_model_config(recipe)
-    config, note = with_number_tokens(config, source)
-    if recipe.model.init == "scratch" and recipe.model.tokenizer == "char":
-        note = ""  # single digits, as with_number_tokens assumed
+    "world_size_fit" (``world_size_fit``) also says at which world size the run first fits it. With ``shape``, a
+    shipped shape (qwen2.5-7b, ...) is planned in place of model.name's config.json."""
+    recipe, config, source, note = _model_config(recipe, shape)
     s = model_shape(config)
     fused, liger, warning = planned_fused(recipe)
     fsdp = recipe.train.distributed == "fsdp"

@@ -4,6 +4,8 @@ number tokens a run adds to it."""
 
 from __future__ import annotations
 
+import difflib
+import json
 from pathlib import Path
 
 from delft.errors import UserError
@@ -18,15 +20,18 @@ SMOLLM2_CONFIG = dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
                       tie_word_embeddings=True)
 
 
-# Measured on one H200 (docs/gpu.md, "chunked CE + 10-row digit term" rows): torch max allocated.
-QWEN2 = {
-    "0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-}
+# The shapes of common families, copied from their config.json (--shape NAME plans one without a config.json).
+SHAPES_FILE = Path(__file__).with_name("shapes.json")
+
+
+def shipped_shapes() -> dict[str, dict]:
+    """The shipped shapes by name: {hub_id, number_tokens, config}."""
+    data = json.loads(SHAPES_FILE.read_text(encoding="utf-8"))
+    return {name: entry for name, entry in data.items() if not name.startswith("_")}
+
+
+# The models measured on one H200 (docs/gpu.md, "chunked CE + 10-row digit term" rows): torch max allocated.
+QWEN2 = {size: shipped_shapes()[f"qwen2.5-{size}"]["config"] for size in ("0.5b", "1.5b", "7b")}
 
 
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -125,6 +130,20 @@ def read_model_config(recipe) -> tuple[dict, str]:
         raise UserError(f"could not fetch config.json of {name!r}: {str(e).splitlines()[0][:200]}", "model.name",
                         "Download the model directory where there is network and point model.name at it.") from None
     return _config(Path(path)), f"{name} (config.json from the hub)"
+
+
+def shipped_shape(name: str) -> tuple[dict, str, str]:
+    """(config with its number-token count, where it came from, the hub id it is the shape of) of a shipped
+    shape; an unknown name is refused with the names there are."""
+    shapes = shipped_shapes()
+    entry = shapes.get(name.strip().lower())
+    if entry is None:
+        close = difflib.get_close_matches(name.strip().lower(), list(shapes), n=1)
+        raise UserError(f"delft ships no shape {name!r}{f' (did you mean {close[0]}?)' if close else ''}; it ships "
+                        f"{', '.join(shapes)}", "--shape", "Give one of those names, or plan from the model's own "
+                        "config.json: point model.name at a directory that holds it (nothing else is needed).")
+    return ({**entry["config"], NUMBER_TOKENS: entry["number_tokens"]},
+            f"delft's shipped shape {name.strip().lower()} (from {entry['hub_id']}'s config.json)", entry["hub_id"])
 
 
 def scratch_config(recipe) -> tuple[dict, str]:
