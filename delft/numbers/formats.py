@@ -234,19 +234,20 @@ def write_last_number(text: str, order: str = "natural", count_prefix: bool = Fa
     """``text`` with only its last number written in the given form: the final answer of a completion (a bare
     answer, ``#### 72``, a worked solution's closing number), the one the answer scorer's last-number rule reads.
     Reversed, the last run is written back to front; prefixed, the last number is wrapped."""
-    _check(order, count_prefix)
-    if count_prefix:
-        return _last_only(text, _NUMBER, lambda m: _wrap(m, order))
-    if order == "reversed":
-        return _last_only(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
-    return text
+    return _rewrite_last(text, order, count_prefix, _NUMBER, lambda m: _wrap(m, order))
 
 
 def read_last_number(text: str, order: str = "natural", count_prefix: bool = False) -> str:
     """The inverse of :func:`write_last_number`: only the last written number (run or wrapper) is read back."""
+    return _rewrite_last(text, order, count_prefix, _WRAPPED, lambda m: _unwrap(m, order))
+
+
+def _rewrite_last(text: str, order: str, count_prefix: bool, prefixed, piece) -> str:
+    """What writing and reading the last number share: with count_prefix, the last match of ``prefixed`` rewritten by
+    ``piece`` (wrapped, or unwrapped); reversed alone, the last run turned round (its own inverse); else the text."""
     _check(order, count_prefix)
     if count_prefix:
-        return _last_only(text, _WRAPPED, lambda m: _unwrap(m, order))
+        return _last_only(text, prefixed, piece)
     if order == "reversed":
         return _last_only(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
     return text
