@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import signal
 import sys
@@ -56,6 +57,29 @@ def decoding_overrides(fewshot, samples, temperature, top_p) -> list[str]:
     """The decoding options as --set overrides of the recipe's eval section."""
     given = {"fewshot": fewshot, "samples": samples, "temperature": temperature, "top_p": top_p}
     return [f"eval.{k}={v}" for k, v in given.items() if v is not None]
+
+
+# The options compare and study both end with: --allow-seen and the decoding shorthands (name, type, option).
+SCORING_OPTIONS = (("allow_seen", bool, _allow_seen_option), ("fewshot", Optional[int], _fewshot_option),
+                   ("samples", Optional[int], _samples_option), ("temperature", Optional[float], _temperature_option),
+                   ("top_p", Optional[float], _top_p_option))
+
+
+def scoring_options(fn):
+    """``fn`` with SCORING_OPTIONS after its own options; it is called with ``allow_seen`` and ``set_`` led by the
+    decoding options' overrides (so the command's own --set comes after them and wins)."""
+    own = [p for p in inspect.signature(fn).parameters.values() if p.name != "allow_seen"]
+
+    @functools.wraps(fn)
+    def wrapper(*, allow_seen, fewshot, samples, temperature, top_p, set_, **kwargs):
+        decoding = decoding_overrides(fewshot, samples, temperature, top_p)
+        return fn(allow_seen=allow_seen, set_=[*decoding, *set_], **kwargs)
+
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(), annotation=kind)
+             for name, kind, option in SCORING_OPTIONS]
+    wrapper.__signature__ = inspect.Signature([*own, *extra])
+    wrapper.__annotations__ = {**fn.__annotations__, **{name: kind for name, kind, _ in SCORING_OPTIONS}}
+    return wrapper
 
 
 def quiet_libraries() -> None:
@@ -288,6 +312,7 @@ def export(
 
 @app.command()
 @friendly
+@scoring_options
 def compare(
     recipes: List[Path] = typer.Argument(
         ..., help="Recipes that differ only in their loss or data.numbers (recipes/compare/*.yaml)."),
@@ -306,16 +331,11 @@ def compare(
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
     plan: bool = typer.Option(False, "--plan", help="Train nothing: check the recipes as a comparison and print "
                               "every run (finished, resumed or to train), the steps left and the sets to score."),
-    allow_seen: bool = _allow_seen_option(),
-    fewshot: Optional[int] = _fewshot_option(),
-    samples: Optional[int] = _samples_option(),
-    temperature: Optional[float] = _temperature_option(),
-    top_p: Optional[float] = _top_p_option(),
+    allow_seen: bool = False,
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
     from delft.experiments.compare import plan_compare, run_compare
 
-    set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
     if plan:
         plan_compare(recipes, seeds, set_, console, transfer, transfer_format, transfer_limit, no_transfer)
         return
@@ -327,6 +347,7 @@ def compare(
 
 @app.command()
 @friendly
+@scoring_options
 def study(
     study_file: Path = typer.Argument(..., help="A study file (recipes/study/*.study.yaml): recipes, seeds, eval sets."),
     data_dir: Optional[Path] = typer.Option(
@@ -339,16 +360,11 @@ def study(
     plan: bool = typer.Option(False, "--plan", help="Train nothing: print, for each comparison, the smallest "
                               "difference its seeds and problems can detect (80 % power), from the study file's "
                               "plan.seed_spread or plan.pilot, and warn where it exceeds the margin."),
-    allow_seen: bool = _allow_seen_option(),
-    fewshot: Optional[int] = _fewshot_option(),
-    samples: Optional[int] = _samples_option(),
-    temperature: Optional[float] = _temperature_option(),
-    top_p: Optional[float] = _top_p_option(),
+    allow_seen: bool = False,
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
     from delft.experiments.study import plan_study, run_study
 
-    set_ = [*decoding_overrides(fewshot, samples, temperature, top_p), *set_]
     if plan:
         plan_study(study_file, data_dir=data_dir, overrides=set_, console=console)
         return
