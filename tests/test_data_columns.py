@@ -31,7 +31,8 @@ def test_question_and_answer_columns_read_as_prompt_and_completion(tmp_path):
     assert got == [("2 + 3 =", "5", "5"), ("40 + 2 =", "42", "42")]
     csv = tmp_path / "qa.csv"
     csv.write_text("question,answer\n7 + 1 =,8\n")
-    cfg = DataConfig(source=str(csv), format="prompt_completion", columns={"prompt": "question", "completion": "answer"})
+    cfg = DataConfig(source=str(csv), format="prompt_completion",
+                     columns={"prompt": "question", "completion": "answer"})
     assert [(e.prompt, e.completion) for e in load_examples(cfg)] == [("7 + 1 =", "8")]
 
 
@@ -53,7 +54,8 @@ def test_a_column_the_file_lacks_is_refused_with_the_files_columns(tmp_path, tin
 
 def test_a_bad_value_is_named_by_the_column_the_user_wrote(tmp_path):
     path = write_rows(tmp_path / "qa.jsonl", [{"question": ["not", "text"], "answer": "5"}])
-    cfg = DataConfig(source=str(path), format="prompt_completion", columns={"prompt": "question", "completion": "answer"})
+    cfg = DataConfig(source=str(path), format="prompt_completion",
+                     columns={"prompt": "question", "completion": "answer"})
     try:
         load_examples(cfg)
     except Exception as e:  # delft.errors.UserError

@@ -88,6 +88,25 @@ def pilot_detail(pilot: dict) -> dict[tuple[str, str], dict]:
     return out
 
 
+def floored_in_pilot(pilot: Optional[dict], planned: list[dict]) -> list[tuple[str, str]]:
+    """The (set, recipe) comparisons the pilot ran with 2 or more seeds beside the reference but shows no spread
+    for, because a side sat on the floor there (pilot_detail leaves those out): a plan leaves them out and says so,
+    as a study reads a difference on a floor as not readable."""
+    if pilot is None:
+        return []
+    piloted = pilot_detail(pilot)
+    out = []
+    for r in planned:
+        sec = pilot.get("evals", {}).get(r["set"])
+        if (r["set"], r["recipe"]) in piloted or not sec or sec["settings"].get("mode") != "greedy":
+            continue
+        scores = scores_by_seed(sec)
+        shared = set(scores.get(r["recipe"], {})) & set(scores.get(sec["settings"].get("reference"), {}))
+        if len(shared) >= 2 and (r["set"], r["recipe"]) not in out:
+            out.append((r["set"], r["recipe"]))
+    return out
+
+
 class Unpiloted(ValueError):
     """The pilot did not run these (set, recipe) comparisons, and no spread is stated for them."""
 

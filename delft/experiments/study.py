@@ -64,18 +64,18 @@ from delft.experiments.power import (
     endpoint_lines,
     flag_lines,
     plan_cells,
-    pilot_detail,
+    floored_in_pilot,
     plan_rows,
     read_pilot,
 )
-from delft.experiments.seed_level import FLOOR, MARGIN, analyse, analysis_renderables, scores_by_seed
+from delft.experiments.seed_level import FLOOR, MARGIN, analyse, analysis_renderables
 from delft.experiments.seed_tests import ALPHA, POWER
 from delft.experiments.summary import study_summary
 from delft.experiments.transitions import check_measured, run_transitions
 from delft.models.scratch import base_name
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
-from delft.experiments.totals import planned_runs, show_runs, totals_line
-from delft.recipe.files import _merge, parse_overrides, read_yaml
+from delft.experiments.totals import own_results_as_pilot, planned_runs, show_runs, study_totals
+from delft.recipe.files import merge_keys, parse_overrides, read_yaml
 from delft.recipe.schema import (
     GENERATED,
     DataConfig,
@@ -220,7 +220,7 @@ def load_study(path: Path, overrides: Sequence[str] = ()) -> StudyConfig:
     """The study file, with ``overrides`` (--set items of its own keys, split_overrides) applied."""
     data = read_yaml(Path(path))
     if overrides:
-        data = _merge(data, parse_overrides(list(overrides)))
+        data = merge_keys(data, parse_overrides(list(overrides)))
     try:
         study = StudyConfig.model_validate(data)
     except ValidationError as e:
@@ -570,25 +570,6 @@ def _report(study: StudyConfig, path: Path, command: str, base: str, cfg0: Recip
     return report
 
 
-def _floored_in_pilot(pilot: Optional[dict], planned: list[dict]) -> list[tuple[str, str]]:
-    """The (set, recipe) comparisons the pilot ran with 2 or more seeds beside the reference but shows no spread
-    for, because a side sat on the floor there (power.pilot_detail leaves those out): the plan leaves them out
-    and says so, as the study reads a difference on a floor as not readable."""
-    if pilot is None:
-        return []
-    piloted = pilot_detail(pilot)
-    out = []
-    for r in planned:
-        sec = pilot.get("evals", {}).get(r["set"])
-        if (r["set"], r["recipe"]) in piloted or not sec or sec["settings"].get("mode") != "greedy":
-            continue
-        scores = scores_by_seed(sec)
-        shared = set(scores.get(r["recipe"], {})) & set(scores.get(sec["settings"].get("reference"), {}))
-        if len(shared) >= 2 and (r["set"], r["recipe"]) not in out:
-            out.append((r["set"], r["recipe"]))
-    return out
-
-
 def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     """The detectable difference of every comparison the study will make, from its stated or piloted spread
     (delft.experiments.power), the endpoints' smallest p (those that cannot reach the level: descriptive, outside
@@ -608,7 +589,7 @@ def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
     calibrators = study.calibrators()
     family = len([r for r in planned if r["recipe"] not in calibrators]) + sum(
         not e["descriptive"] and e["recipe"] not in calibrators for e in endpoints)
-    floored = _floored_in_pilot(pilot, planned) if spec.seed_spread is None else []
+    floored = floored_in_pilot(pilot, planned) if spec.seed_spread is None else []
     try:
         rows = plan_rows([r for r in planned if (r["set"], r["recipe"]) not in floored], len(study.seeds),
                          study.margin, spec.seed_spread, pilot, family, study.decide, spec.problem_variance,
@@ -632,24 +613,6 @@ def _plan(study: StudyConfig, path: Path, contenders) -> Optional[dict]:
             "flags": control_flags(pilot, study.controls(), calibrators)}
 
 
-def _totals(study: StudyConfig, contenders, runs) -> str:
-    """The study's size in one line: runs, steps to train, and the sets every model answers."""
-    return (f"[bold]delft study[/]: {totals_line(runs, len(contenders), len(study.seeds))}; then the base model and "
-            f"{len(runs)} runs answer {len(study.evals)} set(s): " + ", ".join(
-                f"{k} ({v.limit} problems)" if v.limit else k for k, v in study.evals.items()))
-
-
-def _own_results_as_pilot(study: StudyConfig, path: Path, console: Console) -> None:
-    """With no spread stated, the study's own earlier results (out/study.json) serve --plan as its pilot, said so:
-    a plan for rerunning a study, or for adding seeds to it, is what its seeds showed."""
-    own = Path(study.out) / STUDY_JSON
-    if study.plan.seed_spread is None and study.plan.pilot is None and own.is_file():
-        study.plan.pilot = str(own.resolve())
-        console.print(f"[yellow]note:[/] the study file states no plan.seed_spread or plan.pilot, so its own results "
-                      f"{own} serve as the pilot (the spread its seeds showed; state plan.pilot to plan from another)",
-                      highlight=False)
-
-
 def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
                console: Optional[Console] = None) -> dict:
     """``delft study FILE --plan``: what each comparison can detect with the file's seeds and problems, before any
@@ -661,8 +624,8 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
     contenders = _contenders(study, path, overrides, data_dir, console)
     runs = planned_runs(contenders, study.seeds)
     show_runs(runs, console, f"delft study --plan: {len(contenders)} recipes x {len(study.seeds)} seed(s)")
-    console.print(_totals(study, contenders, runs), highlight=False)
-    _own_results_as_pilot(study, path, console)
+    console.print(study_totals(study, contenders, runs), highlight=False)
+    own_results_as_pilot(study, console)
     plan = _plan(study, path, contenders)
     if plan is None:
         raise UserError("the study file states no spread between seeds, so there is nothing to compute power from",
@@ -711,7 +674,7 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     out = Path(study.out)
     contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force,
                                               allow_seen)
-    console.print(_totals(study, contenders, planned_runs(contenders, study.seeds)), highlight=False)
+    console.print(study_totals(study, contenders, planned_runs(contenders, study.seeds)), highlight=False)
     start = time.perf_counter()
     runs, training = train_all(contenders, study.seeds, console, command)
     trained_s = time.perf_counter() - start

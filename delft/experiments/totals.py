@@ -85,3 +85,21 @@ def show_runs(runs: Sequence[PlannedRun], console: Console, title: str) -> None:
         left = "?" if r.left is None else f"{r.left:,}"
         table.add_row(str(r.run_dir), _state_text(r), "epochs" if r.steps is None else f"{r.steps:,}", left)
     console.print(table)
+
+
+def study_totals(study, contenders: Sequence, runs: Sequence[PlannedRun]) -> str:
+    """A study's size in one line: runs, steps to train, and the sets every model answers."""
+    return (f"[bold]delft study[/]: {totals_line(runs, len(contenders), len(study.seeds))}; then the base model and "
+            f"{len(runs)} runs answer {len(study.evals)} set(s): " + ", ".join(
+                f"{k} ({v.limit} problems)" if v.limit else k for k, v in study.evals.items()))
+
+
+def own_results_as_pilot(study, console: Console) -> None:
+    """With no spread stated, the study's own earlier results (out/study.json) serve --plan as its pilot, said so:
+    a plan for rerunning a study, or for adding seeds to it, is what its seeds showed."""
+    own = Path(study.out) / "study.json"  # delft.experiments.study.STUDY_JSON, which imports this module
+    if study.plan.seed_spread is None and study.plan.pilot is None and own.is_file():
+        study.plan.pilot = str(own.resolve())
+        console.print(f"[yellow]note:[/] the study file states no plan.seed_spread or plan.pilot, so its own results "
+                      f"{own} serve as the pilot (the spread its seeds showed; state plan.pilot to plan from another)",
+                      highlight=False)

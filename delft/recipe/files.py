@@ -14,10 +14,11 @@ from delft.recipe.shipped import missing_recipe_fix, resolve_recipe
 from delft.rundir import CHECKPOINTS, RECIPE, SNAPSHOTS
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge_keys(base: dict, over: dict) -> dict:
+    """``over``'s keys over ``base``'s, section by section (a recipe's base: chain, --set, a study's --set)."""
     merged = dict(base)
     for k, v in over.items():
-        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+        merged[k] = merge_keys(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     return merged
 
 
@@ -74,7 +75,7 @@ def read_recipe_data(path: str | Path) -> dict:
     for p in reversed(recipe_chain(path)):
         layer = dict(read_yaml(p))
         layer.pop(BASE_KEY, None)
-        data = _merge(data, layer)
+        data = merge_keys(data, layer)
     return data
 
 
@@ -91,7 +92,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         where = str(path)
         data = read_recipe_data(path)
     if overrides:
-        data = _merge(data, parse_overrides(overrides))
+        data = merge_keys(data, parse_overrides(overrides))
         where += " (with --set overrides)"
     return validate_recipe(data, where)
 
