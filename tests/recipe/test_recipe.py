@@ -62,7 +62,7 @@ def test_impossible_values_are_errors(tmp_path):
     assert long.data.synthetic.ops == ["copy", "+"] and long.data.synthetic.max_digits == 30
     with pytest.raises(UserError, match="tau only applies"):
         load_recipe(write(tmp_path, "loss:\n  type: del\n  tau: 2.0\n"))
-    with pytest.raises(UserError, match="source 'synthetic' goes with format 'synthetic'"):
+    with pytest.raises(UserError, match="source 'data.jsonl' is not 'synthetic', so it needs a format"):
         load_recipe(write(tmp_path, "data:\n  source: data.jsonl\n"))
 
 
