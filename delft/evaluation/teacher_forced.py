@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from delft.data.batches import collate, tokenize_example
 from delft.evaluation.metrics import paired_difference
 from delft.losses.heads import digit_logits
@@ -63,8 +65,6 @@ class TeacherForced:
 def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_size: int) -> TeacherForced:
     """Score the gold completion of every example (prompt masked, as in training); ``vocab`` is the tokenizer's
     NumberVocab (digit metrics per digit character, so number tokens of 1-3 digits work as single digits do)."""
-    import torch
-
     cfg = data_cfg.model_copy(update={"train_on_prompt": False})
     vocab = vocab.written_as(cfg.numbers)  # the gold is written in the run's form: its digits at their true places
     items = [tokenize_example(ex, tokenizer, cfg) for ex in examples]
@@ -80,8 +80,6 @@ def teacher_forced(model, tokenizer, examples: Sequence, data_cfg, vocab, batch_
 
 def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
     """Positions of one right-padded batch: hidden states once, then only the rows each metric needs."""
-    import torch
-
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      use_cache=False).last_hidden_state[:, :-1]
@@ -109,8 +107,6 @@ def _score_batch(model, batch: dict, vocab, first: int) -> list[Position]:
 
 def _digit_scores(out: list, slots: list[int], h, head, gold_cols, vocab) -> None:
     """Digit CE and argmax hit of every digit character, from the number-token rows of the output layer only."""
-    import torch
-
     chars = char_logits(digit_logits(h, head, vocab.ids), gold_cols, vocab.char_table(h.device))
     z, gold_digit = chars.logits, chars.digit
     dce = (torch.logsumexp(z, -1) - z.gather(1, gold_digit[:, None])[:, 0]).tolist()
@@ -121,8 +117,6 @@ def _digit_scores(out: list, slots: list[int], h, head, gold_cols, vocab) -> Non
 
 def _full_vocab(h, head, gold) -> tuple[list[float], list[bool]]:
     """Full-vocabulary CE and argmax hit per row of ``h`` [N, H], CHUNK_POSITIONS rows of fp32 logits at a time."""
-    import torch
-
     ce: list[float] = []
     ok: list[bool] = []
     for s in range(0, h.shape[0], CHUNK_POSITIONS):

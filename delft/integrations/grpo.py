@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from delft.data.batches import Tokenized, collate
 from delft.errors import UserError
 from delft.integrations.digit_options import (DigitLossFields, DigitLossValueError, check_mu, check_resume,
@@ -210,8 +212,6 @@ class DigitGRPOTrainer(_grpo_trainer()):
         return GoldBatch(parts, self._all_ranks(counts))
 
     def _all_ranks(self, counts):
-        import torch
-
         if self.accelerator.num_processes == 1:
             return counts
         t = torch.tensor(list(counts), dtype=torch.int64, device=self.accelerator.device)
@@ -222,8 +222,6 @@ class DigitGRPOTrainer(_grpo_trainer()):
 
     def aux_loss(self, model, batch: dict, counts):
         """delft's SFT loss of one gold part, normalised by the whole gold batch's ``counts`` (delft.losses)."""
-        import torch
-
         with last_hidden_states(self.accelerator.unwrap_model(model)) as (captured, head):
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                   logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))

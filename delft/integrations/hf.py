@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
+
 from delft.integrations.digit_options import (NUMBERS_KEY, DigitLossValueError, check_resume, check_resume_mismatch,
                                              digit_loss_options, save_settings)
 from delft.losses.misuse import NoDigitWatch, callers_words, check_number_rows, check_sft_options, output_layer
@@ -114,8 +116,6 @@ class DigitLossMixin:
         return batch_samples, num_items
 
     def _all_ranks(self, labels: int, digits: int) -> tuple[int, int]:
-        import torch
-
         if self.accelerator.num_processes == 1:
             return labels, digits
         t = torch.tensor([labels, digits], dtype=torch.int64, device=self.accelerator.device)
@@ -148,8 +148,6 @@ class DigitLossMixin:
     def digit_sums(self, model, inputs: dict, labels, drop: int):
         """(delft.losses.Sums of this micro-batch, the model's outputs): one forward, the last hidden states only
         (the full logits as well when ``compute_metrics`` needs them)."""
-        import torch
-
         keep = {} if self._logits_wanted and not model.training else {
             "logits_to_keep": torch.zeros(0, dtype=torch.long, device=labels.device)}
         with last_hidden_states(self.accelerator.unwrap_model(model)) as (captured, head):  # hooks go on the model,
@@ -198,16 +196,12 @@ class DigitLossMixin:
         return ce, float(sums.term.detach()) / counts.digits if counts.digits else 0.0
 
     def _remember(self, sums, counts, aux: Optional[float]) -> None:
-        import torch
-
         if self._logged is None:  # the first step since the last log (or since a resume): count steps from here
             self._logged_from = self.state.global_step
         add = torch.tensor([*self._means(sums, counts), aux or 0.0], dtype=torch.float64)
         self._logged = add if self._logged is None else self._logged + add
 
     def _sum_ranks(self, values: list[float]) -> list[float]:
-        import torch
-
         if self.accelerator.num_processes == 1:
             return values
         total = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
@@ -250,7 +244,6 @@ class DigitLossMixin:
     def _eval_row(self, inputs: dict, value, sums, aux) -> None:
         """This batch's loss and parts, repeated and gathered as the evaluation loop gathers its losses (the eval
         batch size times, the duplicates of a last, uneven batch dropped), so each part is weighed as eval_loss."""
-        import torch
         from transformers.trainer_pt_utils import find_batch_size
 
         ce, term = self._means(sums, sums.counts)
@@ -262,8 +255,6 @@ class DigitLossMixin:
     def evaluation_loop(self, *args, **kwargs):
         """The Trainer's loop, with ``<prefix>_ce`` and ``<prefix>_digit_term`` (and ``<prefix>_aux_loss``) beside
         ``<prefix>_loss``, each weighed over the batches (and ranks) as the Trainer weighs the loss."""
-        import torch
-
         self._eval_rows = []
         try:
             output = super().evaluation_loop(*args, **kwargs)

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from delft.integrations.digit_options import DigitLossFields, config_digit_loss, digit_trainer_building
 from delft.integrations.hf import HIDDEN_KEYS, DigitLossMixin
 from delft.losses.loss import Sums
@@ -64,8 +66,6 @@ class DigitSFTTrainer(DigitLossMixin, _sft_trainer()):
         loss = super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if not return_outputs:
             return loss
-        import torch
-
         # TRL's prediction_step asks for the outputs only when compute_metrics reads the logits; the fused head
         # built none, so they come from a second forward, as TRL's SFTTrainer makes them
         with torch.no_grad():
@@ -109,8 +109,6 @@ class DigitSFTTrainer(DigitLossMixin, _sft_trainer()):
     def _trl_metrics(self, inputs: dict, outputs) -> None:
         """TRL's own metrics, which its compute_loss would have logged: entropy, mean token accuracy, the tokens
         trained on so far (``num_tokens``) and a mixture of experts' ``aux_loss``."""
-        import torch
-
         mode = "train" if self.model.training else "eval"
         valid = self.accelerator.gather_for_metrics(outputs.label_mask.sum()).sum()
         for name, field in (("entropy", "entropy"), ("mean_token_accuracy", "is_top1")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from delft.data.pipeline import build_datasets
@@ -71,8 +72,6 @@ def setup(recipe: Recipe) -> Setup:
 def build_model(s: Setup, console: Console):
     """(model with LoRA or every weight trainable, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu",
     "rope"])."""
-    import torch
-
     r = s.recipe
     # fsdp: fp32 shards, which the optimizer steps; on CUDA FSDP computes in bf16 (delft.training.sharding)
     dtype = torch.float32 if r.train.distributed == "fsdp" else resolve_dtype(r.model.dtype, s.device)
@@ -96,8 +95,6 @@ def build_optimizer(s: Setup, params: list, dtype):
     """The recipe's optimizer over ``params``: torch's AdamW in fp32; bitsandbytes' 32-bit AdamW for bf16/fp16
     weights (full fine-tuning on CUDA), so the moments stay fp32 beside 16-bit weights; bitsandbytes' 8-bit AdamW
     (paged on CUDA only; on the CPU from the bitsandbytes delft has tested there); torch's SGD."""
-    import torch
-
     t = s.recipe.train
     if t.optimizer in EIGHT_BIT_OPTIMIZERS and s.device == "cpu":
         check_eight_bit_on_cpu(t.optimizer)

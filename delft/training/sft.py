@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from delft import rundir
 from delft.data.batches import collate, collate_packed
 from delft.errors import UserError
@@ -232,8 +234,6 @@ class Trainer:
 
     def train_step(self) -> tuple[dict, float]:
         """One optimizer step: (Loss.means of it, gradient norm before clipping)."""
-        import torch
-
         t = self.recipe.train
         self.step_rng = rng_states()  # an interrupt before the step commits resumes from exactly here
         batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
@@ -306,7 +306,6 @@ class Trainer:
     def train(self) -> None:
         """Step to the end (or to early stopping) with a live display. Ctrl-C or SIGTERM raises KeyboardInterrupt
         out of it (the run lifecycle saves the last whole step); inside a step's commit it waits for its end."""
-        import torch
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         t, total = self.recipe.train, self.schedule.total_steps

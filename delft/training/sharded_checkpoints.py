@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element  # how DefaultLoadPlanner.load_bytes places an item
@@ -242,8 +243,6 @@ def _local_bytes(root, optimizer) -> int:
 
 def _staging_dir(final: Path) -> Path:
     """Rank 0's temporary name for ``final``, the same on every rank (its pid marks a dead run's leftover)."""
-    import torch.distributed as tdist
-
     name = [str(temporary_sibling(final))] if dist.is_main() else [None]
     tdist.broadcast_object_list(name, src=0)
     return Path(name[0])

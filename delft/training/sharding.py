@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from delft.errors import UserError
 from delft.models.loading import plain_model
@@ -77,8 +79,6 @@ def decoder_layers(model) -> list[nn.Module]:
 
 def shard(model: nn.Module, loss, recipe, device: str) -> LossStep:
     """Shard ``model`` in place (per decoder layer, then the LossStep root) and return the root."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-
     options: dict = {}
     if device == "cuda":  # bf16 compute over fp32 shards; gradients reduced in fp32
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -125,8 +125,6 @@ class Gathered:
 def full_state_dict(root: LossStep) -> dict:
     """The whole model's state dict on rank 0, on the CPU, named as the unsharded model names it ({} elsewhere).
     A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # A tied weight (SmolLM2's output layer is its embedding) comes back once per name, as separate tensors that
     # save_pretrained cannot recognise as one: keep the first name, as the unsharded model's save keeps it.

@@ -4,6 +4,8 @@ micro-batches' backward passes normalised by them; and the validation loss with 
 
 from __future__ import annotations
 
+import torch
+
 from delft.data.batches import collate
 from delft.losses.loss import Counts, Sums
 from delft.models.loading import check_nf4_exact, decoder_and_head
@@ -48,8 +50,6 @@ def optimizer_step(model, batches: list[dict], loss, device: str) -> dict:
 def evaluate_loss(model, val, loss, batch_size: int, pad_id: int, device: str) -> dict:
     """Validation loss, CE and term, each normalised over the whole validation set (``model`` as ``micro_sums``
     takes it)."""
-    import torch
-
     model.eval()
     total = Sums(0.0, 0.0, Counts(0, 0))
     with torch.no_grad():
