@@ -195,7 +195,7 @@ def rewrite(out: Path) -> None:
     """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code
     (counting its runs' training problems in its sets first when it was written before delft did), and write
     study.json, summary.md and tables.txt's block on them again (each whole or not at all):
-    ``python -m delft.experiments.summary OUT``."""
+    ``python bench/study_rewrite.py OUT``."""
     out = Path(out)
     report = json.loads((out / "study.json").read_text())
     settings = report["settings"]
@@ -208,10 +208,3 @@ def rewrite(out: Path) -> None:
     write_atomic(out / "study.json", json.dumps(report, indent=1) + "\n")
     write_atomic(out / "summary.md", study_summary(report))
     write_atomic(out / "tables.txt", tables + analysis_text(report))
-
-
-if __name__ == "__main__":
-    import sys
-
-    for arg in sys.argv[1:]:
-        rewrite(Path(arg))

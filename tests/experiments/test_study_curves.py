@@ -185,7 +185,7 @@ def test_flips_count_changed_verdicts_against_the_same_seed_and_between_referenc
 
 
 def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
-    from delft.experiments.scale import main, parameters
+    from delft.experiments.scale import parameters, write_scale_report
 
     arch = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": None, "intermediate_size": 384,
             "context": 48, "tie_embeddings": True}
@@ -208,7 +208,7 @@ def test_the_scale_report_reads_each_sizes_seed_level_rows(tmp_path):
         return d
 
     dirs = [study("large", "large_", 256, 0.01), study("mid", "", 128, 0.03)]
-    main([*map(str, dirs), "--recipe", "del_prob", "--out", str(tmp_path / "out")])
+    write_scale_report(dirs, "del_prob", tmp_path / "out")
     rows = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert [r["parameters"] for r in rows] == sorted(r["parameters"] for r in rows) and len(rows) == 2
     assert [round(r["difference"], 2) for r in rows] == [0.03, 0.01]
