@@ -19,13 +19,14 @@ from delft.planning.memory import (
     planned_nf4,
 )
 from delft.planning.shapes import NUMBER_TOKENS, model_shape, read_model_config, shipped_shape, with_number_tokens
+from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 
 
 def _state_words(recipe) -> str:
     t = recipe.train
     if t.optimizer == "sgd":
         return "SGD's momentum buffer" if t.momentum > 0 else "no optimizer state (SGD without momentum)"
-    return f"two 8-bit moments ({t.optimizer})" if "8bit" in t.optimizer else "two fp32 moments (AdamW)"
+    return f"two 8-bit moments ({t.optimizer})" if t.optimizer in EIGHT_BIT_OPTIMIZERS else "two fp32 moments (AdamW)"
 
 
 def _component_rows(recipe, s: dict, est: dict, fused: bool, liger: bool) -> list[tuple[str, int, str]]:
