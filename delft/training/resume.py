@@ -103,6 +103,19 @@ def resume_differences(run_dir: Path, saved: Recipe, recipe: Recipe, console: Co
     return diff
 
 
+def other_layout(was: str, now: str, checkpoint: Optional[Path] = None) -> UserError:
+    """The one refusal of a resume across train.distributed: found from the two recipes (``check_resume``), or from
+    a checkpoint whose files are the other layout's (``checkpoint``; the trainer's loaders, as they read it)."""
+    held = "shards" if was == "fsdp" else "whole weights"
+    what = (f"{checkpoint} holds the {held} of a train.distributed {was} run, which this recipe's {now} cannot "
+            "resume" if checkpoint is not None else
+            f"the run was trained with train.distributed {was} and this recipe says {now}; its checkpoints hold "
+            f"{held}, which the other way cannot resume")
+    launcher = " under a launcher (--nproc N)" if was == "fsdp" else ""
+    return UserError(what, "train.distributed", f"Resume it with train.distributed: {was} (its recipe.yaml){launcher}, "
+                     "or start a new run from its final model or adapter once it has finished.")
+
+
 def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], console) -> list[str]:
     """The recipe differences left after allowing a new world size with the same global batch.
 
@@ -111,12 +124,7 @@ def check_resume(saved_info: dict, saved_recipe, recipe, diff: list[str], consol
     not which rank runs which micro-batch, so dropout masks differ from an uninterrupted run (said).
     """
     if "train.distributed" in diff:
-        raise UserError(f"the run was trained with train.distributed {saved_recipe.train.distributed} and this "
-                        f"recipe says {recipe.train.distributed}; its checkpoints hold "
-                        f"{'shards' if saved_recipe.train.distributed == 'fsdp' else 'whole weights'}, which the "
-                        "other way cannot resume", "train.distributed",
-                        f"Resume it with train.distributed: {saved_recipe.train.distributed} (its recipe.yaml), or "
-                        "start a new run from its final model or adapter once it has finished.")
+        raise other_layout(saved_recipe.train.distributed, recipe.train.distributed)
     was, now = int(saved_info.get("world_size", 1)), dist.world_size()
     if was == now:
         return diff

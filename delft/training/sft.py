@@ -44,6 +44,7 @@ from delft.training.loggers import Reporters
 from delft.training.neftune import add_neftune
 from delft.training.progress import ProgressLines
 from delft.training.report import peak_memory_gb
+from delft.training.resume import other_layout
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
@@ -132,10 +133,7 @@ class Trainer:
         damaged one is said and the next older tried, on every rank alike. Rank 0 also restores early stopping."""
         for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
             if not sharded_checkpoints.is_sharded_checkpoint(candidate):
-                raise UserError(f"{candidate} was written by a train.distributed ddp run (one whole copy of the "
-                                "weights), and this run shards them (fsdp)", "train.distributed",
-                                "Resume it with train.distributed: ddp (its recipe.yaml), then start an fsdp run from "
-                                "its final model or adapter (model.name or model.adapter).")
+                raise other_layout("ddp", "fsdp", candidate)
             metadata, state, damaged = self.checked_everywhere(candidate)
             if damaged is None:
                 try:
@@ -186,10 +184,7 @@ class Trainer:
         """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
         for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
             if sharded_checkpoints.is_sharded_checkpoint(candidate):
-                raise UserError(f"{candidate} holds the shards of a train.distributed fsdp run, and this run keeps "
-                                "whole weights (ddp)", "train.distributed",
-                                "Resume it with train.distributed: fsdp and a launcher (--nproc N), as it was "
-                                "trained (its recipe.yaml).")
+                raise other_layout("fsdp", "ddp", candidate)
             try:
                 extra: dict = {}
                 step = load_checkpoint(candidate, self.model, self.optimizer, self.scheduler, extra)

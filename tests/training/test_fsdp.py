@@ -242,6 +242,33 @@ def test_nccl_asked_for_on_the_cpu_is_refused(monkeypatch):
     assert backend("cpu") == "gloo" and backend("cuda") == "nccl"
 
 
+def test_a_whole_weights_run_whose_checkpoint_holds_shards_is_refused_in_the_same_words(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch):
+    """The recipes agree (ddp) but the checkpoint's files are DCP's (one planted mark): the trainer's loader refuses
+    it with the paragraph of a train.distributed mismatch (resume.other_layout), and deletes nothing."""
+    from helpers import interrupt_on_step
+
+    from delft.errors import UserError
+    from delft.recipe.files import load_recipe
+    from delft.rundir import latest_checkpoint
+    from delft.training.stages import run_training
+
+    path = recipe_file(tmp_path, tiny_model_dir, name="whole")
+    restore = interrupt_on_step(monkeypatch, 3)
+    with pytest.raises(SystemExit):
+        run_training(load_recipe(path))
+    restore()
+    ckpt = latest_checkpoint(tmp_path / "whole")
+    (ckpt / ".metadata").write_bytes(b"planted")
+    before = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(UserError) as e:
+        run_training(load_recipe(path))
+    text = " ".join(str(e.value).split())
+    assert f"{ckpt} holds the shards of a train.distributed fsdp run, which this recipe's ddp cannot resume" in text
+    assert "Resume it with train.distributed: fsdp (its recipe.yaml) under a launcher (--nproc N)" in text
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
 def test_a_ddp_checkpoint_is_not_resumed_sharded(tmp_path, tiny_model_dir, monkeypatch):
     from rich.console import Console
 
