@@ -22,6 +22,33 @@ def rng_states() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def trainer_state(step: int, optimizer_state, scheduler, rng: Optional[dict] = None,
+                  extra: Optional[dict] = None) -> dict:
+    """What every checkpoint carries beside the weights, one-process and sharded alike (trainer_state.pt): the step,
+    the optimizer's state (a sharded checkpoint's is in its shards: ``optimizer_state`` marks them), the scheduler,
+    the RNG states to resume with (``rng``; default the current ones) and the trainer's extra state."""
+    return {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "rng": rng or rng_states(), "extra": extra or {}}
+
+
+def restore_trainer_state(state: dict, scheduler, optimizer=None, torch_rng: bool = True) -> tuple[int, dict]:
+    """``trainer_state``'s inverse: (the step, the extra state), the scheduler, the optimizer (unless its state is
+    in shards, loaded with them) and the RNGs restored."""
+    import torch
+
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"]["python"])
+    # A sharded run always has a launcher, and then every step re-seeds torch's generators from (seed, rank, step)
+    # (distributed.seed_step) before it draws: a restored torch state would be overwritten unused.
+    if torch_rng:
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return int(state["step"]), state.get("extra") or {}
+
+
 def adapter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
@@ -56,8 +83,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, step: int, keep:
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     check_free_space(root, 3 * adapter_bytes(model) + 2**20, "checkpoint")  # weights and Adam's two moments
-    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": rng or rng_states(), "extra": extra or {}}
+    state = trainer_state(step, optimizer.state_dict(), scheduler, rng, extra)
     with staged(final) as tmp, no_space_is_a_user_error(final, "output.dir", AGAIN, partial=tmp):
         model.save_pretrained(tmp)
         torch.save(state, tmp / rundir.STATE_FILE)
@@ -134,16 +160,8 @@ def read_state(ckpt: Path) -> dict:
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, extra: Optional[dict] = None) -> int:
     """Restore ``ckpt`` into the model, optimizer, scheduler and RNGs; ``extra`` gets what the trainer stored beside
     them (early stopping's state). Returns the step."""
-    import torch
-
     _load_weights(ckpt, model)
-    state = read_state(ckpt)
+    step, stored = restore_trainer_state(read_state(ckpt), scheduler, optimizer)
     if extra is not None:
-        extra.update(state.get("extra") or {})
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return int(state["step"])
+        extra.update(stored)
+    return step

@@ -35,8 +35,10 @@ from delft.training.checkpoints import (
     check_free_space,
     final_bytes,
     load_checkpoint,
+    restore_trainer_state,
     rng_states,
     save_checkpoint,
+    trainer_state,
 )
 from delft.training.early_stopping import BEST_DIR, BEST_INFO, EarlyStopping
 from delft.training.heldout import HeldOut
@@ -143,11 +145,10 @@ class Trainer:
             if damaged is not None:
                 self.say_damaged(candidate, damaged)
                 continue
-            self.scheduler.load_state_dict(state["scheduler"])
-            random.setstate(state["rng"]["python"])
+            step, extra = restore_trainer_state(state, self.scheduler, torch_rng=False)
             if self.early_stopping is not None and dist.is_main():
-                self.early_stopping.load((state.get("extra") or {}).get("tracker"))
-            return int(state["step"])
+                self.early_stopping.load(extra.get("tracker"))
+            return step
         raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run.dir)} can be read", "output.dir",
                         "Pass --force to start the run over.")
 
@@ -203,10 +204,9 @@ class Trainer:
         with it under the key "tracker", as checkpoints have always stored it."""
         state = self.early_stopping.state() if self.early_stopping else None
         if self.root is not None:  # every rank writes its shards
-            trainer_state = {"step": self.step, "optimizer": sharded_checkpoints.SHARDED_MARK,
-                             "extra": {"tracker": state}, "rng": self.step_rng or rng_states(),
-                             "scheduler": self.scheduler.state_dict()}
-            return sharded_checkpoints.save(self.run.dir, self.root, self.optimizer, trainer_state,
+            saved = trainer_state(self.step, sharded_checkpoints.SHARDED_MARK, self.scheduler, self.step_rng,
+                                  {"tracker": state})
+            return sharded_checkpoints.save(self.run.dir, self.root, self.optimizer, saved,
                                             self.recipe.train.keep_checkpoints)
         if not dist.is_main():
             return None
