@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from delft.data.columns import columns_refusal
 from delft.data.number_tasks import MAX_LENGTH as NUPA_MAX_LENGTH
 from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
@@ -157,6 +158,9 @@ class DataConfig(Section):
     format: Literal["prompt_completion", "alpaca", "chat", "gsm8k", "svamp", "synthetic", "reasoning_gym",
                     "nupa"] = Field(
         "synthetic", description="How rows map to prompt and answer.")
+    columns: Optional[dict[str, str]] = Field(
+        None, description="The file's column for each field the format reads, e.g. {prompt: question, completion: "
+        "answer} (as axolotl's field_* and LLaMA-Factory's columns keys); unset: the format's own field names.")
     split: str = Field("train", description="Split of a hub dataset.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a hub dataset.")
     template: Literal["auto", "chat", "plain"] = Field(
@@ -189,6 +193,9 @@ class DataConfig(Section):
                                      "(fields prompt and completion), or alpaca, chat, "
                                      "gsm8k or svamp")
                 raise ValueError(f"source '{name}' goes with format '{name}' (and only it)")
+        refusal = columns_refusal(self.format, self.columns)
+        if refusal:
+            raise ValueError(refusal)
         return self
 
     def prompt_separator(self) -> str:
