@@ -331,6 +331,9 @@ def compare(
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
     plan: bool = typer.Option(False, "--plan", help="Train nothing: check the recipes as a comparison and print "
                               "every run (finished, resumed or to train), the steps left and the sets to score."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Train each run on N processes (one per GPU) "
+                                        "with delft train --nproc N; needed for train.distributed: fsdp arms. The "
+                                        "runs are evaluated once, in this process."),
     allow_seen: bool = False,
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
@@ -342,7 +345,7 @@ def compare(
     run_compare(recipe_paths=recipes, seeds=seeds, out=out, overrides=set_, console=console, transfer=transfer,
                 transfer_format=transfer_format, transfer_limit=transfer_limit,
                 transfer_max_new_tokens=transfer_max_new_tokens, no_transfer=no_transfer, force=force,
-                allow_seen=allow_seen)
+                allow_seen=allow_seen, nproc=nproc)
 
 
 @app.command()
@@ -360,6 +363,9 @@ def study(
     plan: bool = typer.Option(False, "--plan", help="Train nothing: print, for each comparison, the smallest "
                               "difference its seeds and problems can detect (80 % power), from the study file's "
                               "plan.seed_spread or plan.pilot, and warn where it exceeds the margin."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Train each run on N processes (one per GPU) "
+                                        "with delft train --nproc N; needed for train.distributed: fsdp arms. The "
+                                        "runs are evaluated once, in this process."),
     allow_seen: bool = False,
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
@@ -369,7 +375,7 @@ def study(
         plan_study(study_file, data_dir=data_dir, overrides=set_, console=console)
         return
     run_study(study_file, data_dir=data_dir, overrides=set_, console=console, train_only=train_only, force=force,
-              allow_seen=allow_seen)
+              allow_seen=allow_seen, nproc=nproc)
 
 
 @recipe_app.command("check")

@@ -10,6 +10,10 @@ trained (``ensure_trained``, ``train_all``). Differences are reported against th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +24,13 @@ from rich.console import Console
 from delft import signals
 from delft.errors import UserError
 from delft.models.loading import free_memory
-from delft.recipe.files import load_recipe, recipe_chain
+from delft.recipe.files import dump_recipe, load_recipe, recipe_chain
 from delft.recipe.keys import flat_keys, recipe_differences
 from delft.recipe.schema import Recipe
 from delft.rundir import RECIPE, has_files, is_finished_run, is_run_dir, latest_checkpoint, metrics_rows, read_info
 from delft.training.resume import BOOKKEEPING_KEYS
 from delft.training import distributed as dist
+from delft.training.launch import LAUNCH_COMMAND_ENV
 from delft.training.stages import run_training
 
 
@@ -82,9 +87,8 @@ _RECIPE_HINTS = {
 }
 
 
-_SHARDED_ARMS = ("Train each arm sharded with delft train ARM.yaml --nproc N, one run per arm and seed (--set "
-                 "output.dir=runs/ARM-sS --set train.seed=S), then score them together, once, with delft eval "
-                 "ARM.yaml RUN... (or set train.distributed: ddp in the arms, which {command} trains here).")
+_SHARDED_ARMS = ("Pass --nproc N: {command} then trains each arm with delft train ARM --nproc N (N processes, one per "
+                 "GPU) and evaluates every run once, in this process (or set train.distributed: ddp in the arms).")
 
 
 def check_one_process(command: str, where: str) -> None:
@@ -97,14 +101,13 @@ def check_one_process(command: str, where: str) -> None:
                         + _SHARDED_ARMS.format(command=command))
 
 
-def check_unsharded(contenders: Sequence["Contender"], command: str, where: str) -> None:
-    """An arm with train.distributed fsdp needs several processes, which compare and study do not start."""
+def check_unsharded(contenders: Sequence["Contender"], command: str, where: str, nproc: Optional[int]) -> None:
+    """An arm with train.distributed fsdp needs several processes: compare and study start them with --nproc."""
     sharded = [c.path.name for c in contenders if c.recipe.train.distributed == "fsdp"]
-    if sharded:
+    if sharded and not nproc:
         raise UserError(f"{', '.join(sharded)} shard{'s' if len(sharded) == 1 else ''} the model with "
                         f"train.distributed fsdp, which trains on several processes started together, and {command} "
-                        "trains its arms one after another in this one process (it has no --nproc)", where,
-                        _SHARDED_ARMS.format(command=command))
+                        "was given no --nproc", where, _SHARDED_ARMS.format(command=command))
 
 
 def _unique_paths(paths: Sequence[Path], command: str, where: str) -> list[Path]:
@@ -137,7 +140,6 @@ def resolve_contenders(paths: Sequence[Path], overrides: Sequence[str], console:
             console.print(f"[dim]{p}: the shared base of the other recipes, not a run of its own[/]")
             continue
         contenders.append(Contender(p.stem, p, load_recipe(p, list(overrides))))
-    check_unsharded(contenders, command, where)
     if len(contenders) < 2:
         raise UserError(f"{command.split()[-1]} needs at least two recipes to compare, got {len(contenders)} "
                         f"({', '.join(str(c.path) for c in contenders)}; a recipe the others extend is their "
@@ -203,8 +205,9 @@ def _last_rows(run_dir: Path) -> dict:
     return {"validation" if "val_loss" in row else "train": row for row in metrics_rows(run_dir)}
 
 
-def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
-    """Reuse a finished run of this recipe, resume an interrupted one, or train it. Returns what happened."""
+def ensure_trained(cfg: Recipe, console: Console, command: str, nproc: Optional[int] = None) -> dict:
+    """Reuse a finished run of this recipe, resume an interrupted one, or train it (``nproc``: on that many
+    processes, as ``delft train --nproc`` does). Returns what happened."""
     run_dir = Path(cfg.output.dir)
     where = " ".join(command.split()[:2])  # delft compare, or delft study
     info = read_info(run_dir) if run_dir.is_dir() else {}
@@ -230,15 +233,36 @@ def ensure_trained(cfg: Recipe, console: Console, command: str) -> dict:
         f"GRPO, {g.reward} reward" + (f", aux mu {g.aux_mu:g} with {cfg.loss.type}" if g.aux_mu else ""))
     console.rule(f"[bold]{run_dir.name}[/]: training ({arm}, seed {cfg.train.seed})")
     start = time.perf_counter()
-    run_training(cfg, resume=None, force=force, console=console, resume_command=command)
+    if nproc:
+        _train_launched(cfg, nproc, force, command, where)
+    else:
+        run_training(cfg, resume=None, force=force, console=console, resume_command=command)
     seconds = time.perf_counter() - start
     free_memory()
     steps = read_info(run_dir).get("step")
     return {"status": status, "steps": steps, "seconds": round(seconds, 1), **_last_rows(run_dir)}
 
 
-def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Console,
-              command: str) -> tuple[dict[tuple[str, int], Path], dict[str, dict]]:
+def _train_launched(cfg: Recipe, nproc: int, force: bool, command: str, where: str) -> None:
+    """One arm trained by ``delft train --nproc`` in a child (torchrun's ranks need a launcher of their own; this
+    process stays the one that evaluates): the arm's resolved recipe goes to a temporary file, the child prints its
+    own progress and errors, and a stop ends this command as it ended the child."""
+    with tempfile.TemporaryDirectory(prefix="delft-arm-") as tmp:
+        recipe = Path(tmp) / f"{Path(cfg.output.dir).name}.yaml"
+        recipe.write_text(dump_recipe(cfg))
+        argv = [sys.executable, "-m", "delft", "train", str(recipe), "--nproc", str(nproc), *(["--force"] * force)]
+        # the child's resume hint names this command, which reuses the finished arms and resumes this one
+        done = subprocess.run(argv, env={**os.environ, LAUNCH_COMMAND_ENV: command})
+    if done.returncode in (2, 130, 143):  # a user error (the child printed its paragraph) or a stop
+        raise SystemExit(done.returncode)
+    if done.returncode != 0:
+        raise UserError(f"training {cfg.output.dir} on {nproc} processes failed (exit {done.returncode}; its "
+                        "message is above)", where, f"Fix what it says, then run {command} again: finished runs "
+                        "are reused and this one resumes from its last checkpoint.")
+
+
+def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Console, command: str,
+              nproc: Optional[int] = None) -> tuple[dict[tuple[str, int], Path], dict[str, dict]]:
     """Every (recipe, seed) run trained, resumed or reused, before any eval: (run directories, what happened)."""
     runs: dict[tuple[str, int], Path] = {}
     training: dict[str, dict] = {}
@@ -246,6 +270,6 @@ def train_all(contenders: Sequence[Contender], seeds: Sequence[int], console: Co
         for c in contenders:
             cfg = c.for_seed(seed)
             runs[(c.name, seed)] = Path(cfg.output.dir)
-            training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command)}
+            training[f"{c.name}-seed{seed}"] = {"run": cfg.output.dir, **ensure_trained(cfg, console, command, nproc)}
             signals.check()  # a Ctrl-C lost in a finalizer after this run still stops before the next one
     return runs, training

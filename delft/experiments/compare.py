@@ -32,7 +32,14 @@ from delft.errors import UserError
 from delft.evaluation.contamination import refuse_seen_before_training
 from delft.evaluation.report import write_plot
 from delft.evaluation.runs import check_runs, resolve_settings
-from delft.experiments.arms import Contender, check_seeds, reference_name, resolve_contenders, train_all
+from delft.experiments.arms import (
+    Contender,
+    check_seeds,
+    check_unsharded,
+    reference_name,
+    resolve_contenders,
+    train_all,
+)
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready, markdown_summary
 from delft.experiments.totals import planned_runs, show_runs, totals_line
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
@@ -60,10 +67,12 @@ def transfer_data(cfg: Recipe, source: str, fmt: str, limit: int):
                         "e.g. --transfer data/svamp.json --transfer-format svamp.") from None
 
 
-def _command(recipe_paths: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str]) -> str:
+def _command(recipe_paths: Sequence[Path], seeds: Sequence[int], out: Path, overrides: Sequence[str],
+             nproc: Optional[int] = None) -> str:
     """The command line that reproduces this comparison (in the report, and to resume an interrupted run)."""
     return shlex.join(["delft", "compare", *map(str, recipe_paths), *[x for s in seeds for x in ("--seed", str(s))],
-                       "--out", str(out), *[x for o in overrides for x in ("--set", o)]])
+                       "--out", str(out), *[x for o in overrides for x in ("--set", o)],
+                       *(["--nproc", str(nproc)] if nproc else [])])
 
 
 def _transfer_key(transfer_cfg) -> str:
@@ -153,13 +162,11 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
                 transfer: Optional[str] = None, transfer_format: str = DEFAULT_TRANSFER_FORMAT,
                 transfer_limit: int = DEFAULT_TRANSFER_LIMIT,
                 transfer_max_new_tokens: int = DEFAULT_TRANSFER_MAX_NEW_TOKENS, no_transfer: bool = False,
-                force: bool = False, allow_seen: bool = False) -> dict:
-    """Train what is missing, evaluate base + every run on the synthetic set (and ``transfer``), write the report.
-
-    The transfer set is evaluated only when ``transfer`` names a file (and ``no_transfer`` is False). Results
+                force: bool = False, allow_seen: bool = False, nproc: Optional[int] = None) -> dict:
+    """Train what is missing (``nproc``: each run on that many processes), evaluate base + every run on the
+    synthetic set (and ``transfer``, when it names a file and not ``no_transfer``), write the report. Results
     already in ``out`` are refused before training unless ``force``, and then replaced as a set. A set that is
-    mostly a run's training data is refused unless ``allow_seen``. Returns the report (also ``out/compare.json``).
-    """
+    mostly a run's training data is refused unless ``allow_seen``. Returns the report (also ``out/compare.json``)."""
     console = console or Console()
     seeds = check_seeds(seeds, "--seed")
     if transfer_limit <= 0 or transfer_max_new_tokens <= 0:
@@ -168,6 +175,7 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
     out = Path(out)
     check_output_dir(out, "--out")  # before hours of training, not after
     contenders = resolve_contenders(recipe_paths, overrides, console)
+    check_unsharded(contenders, "delft compare", "--nproc", nproc)
     cfg0 = contenders[0].for_seed(seeds[0])
     transfer_cfg = transfer_data(cfg0, transfer, transfer_format, transfer_limit) if transfer and not no_transfer \
         else None
@@ -176,9 +184,9 @@ def run_compare(recipe_paths: Sequence[Path], seeds: Sequence[int] = (0,), out: 
                       [c.for_seed(s).output.dir for s in seeds for c in contenders], force, "--out")
     if transfer_cfg is not None:
         refuse_seen_before_training(transfer_cfg, cfg0.data, f"the transfer set {transfer}", "--transfer", allow_seen)
-    command = _command(recipe_paths, seeds, out, overrides)
+    command = _command(recipe_paths, seeds, out, overrides, nproc)
     announce(contenders, seeds, cfg0, transfer_cfg, console)
-    runs, training = train_all(contenders, seeds, console, command)
+    runs, training = train_all(contenders, seeds, console, command, nproc)
 
     # the settings delft eval would use with the first recipe
     _, base, synth_cfg, limit, _ = resolve_settings(contenders[0].path, [str(p) for p in runs.values()], None, None,

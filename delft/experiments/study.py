@@ -52,7 +52,7 @@ from delft.evaluation.teacher_forced import (
     teacher_differences,
     write_teacher_plot,
 )
-from delft.experiments.arms import reference_name, resolve_contenders, train_all
+from delft.experiments.arms import check_unsharded, reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
 from delft.experiments.power import (
@@ -473,9 +473,9 @@ def _write_results(out: Path, report: dict, tables: str, sections: dict[str, tup
         _write_plots(new, sections, seeds)
 
 
-def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str]) -> str:
+def _command(path: Path, data_dir: Optional[Path], overrides: Sequence[str], nproc: Optional[int] = None) -> str:
     return shlex.join(["delft", "study", str(path), *(["--data-dir", str(data_dir)] if data_dir else []),
-                       *[x for o in overrides for x in ("--set", o)]])
+                       *[x for o in overrides for x in ("--set", o)], *(["--nproc", str(nproc)] if nproc else [])])
 
 
 def _evaluate_all(study: StudyConfig, sets: dict[str, DataConfig], loaded: dict, cfg0: Recipe, contenders, runs,
@@ -662,21 +662,22 @@ def plan_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[
 
 def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[str] = (),
               console: Optional[Console] = None, train_only: bool = False, force: bool = False,
-              allow_seen: bool = False) -> Optional[dict]:
-    """Train what is missing, evaluate every set (and, with a curve, every snapshot), write study.json,
-    summary.md and the plots into ``out`` (earlier results there only with ``force``, replaced as a set); a set
-    that is mostly the runs' training data only with ``allow_seen``."""
+              allow_seen: bool = False, nproc: Optional[int] = None) -> Optional[dict]:
+    """Train what is missing (``nproc``: each run on that many processes), evaluate every set (and, with a curve,
+    every snapshot), write study.json, summary.md and the plots into ``out`` (earlier results there only with
+    ``force``, replaced as a set); a set that is mostly the runs' training data only with ``allow_seen``."""
     console = console or Console()
     path = Path(path)
-    command = _command(path, data_dir, overrides)
+    command = _command(path, data_dir, overrides, nproc)
     own, overrides = split_overrides(overrides)
     study = load_study(path, own)
     out = Path(study.out)
     contenders, cfg0, sets, loaded = _prepare(study, path, data_dir, overrides, console, train_only, force,
                                               allow_seen)
+    check_unsharded(contenders, "delft study", "--nproc", nproc)
     console.print(study_totals(study, contenders, planned_runs(contenders, study.seeds)), highlight=False)
     start = time.perf_counter()
-    runs, training = train_all(contenders, study.seeds, console, command)
+    runs, training = train_all(contenders, study.seeds, console, command, nproc)
     trained_s = time.perf_counter() - start
     if train_only:
         console.print(f"[green]trained[/] {len(runs)} runs; evaluate with: {command}")

@@ -114,7 +114,9 @@ def relaunch(nproc: int, argv: list[str], nodes: Nodes = Nodes(), command: str =
     cmd = [sys.executable, "-m", "delft.training.agent", *nodes.torchrun_args(port), f"--nproc-per-node={nproc}",
            f"--shutdown-timeout={timeout}", "-m", "delft", *argv]
     with tempfile.TemporaryDirectory(prefix="delft-nproc-") as tmp:
-        env = {**os.environ, ERROR_FILE_ENV: str(Path(tmp) / "error"), LAUNCH_COMMAND_ENV: command,
+        # a compare or study that launched this training passes its own command: the one that resumes it
+        env = {**os.environ, ERROR_FILE_ENV: str(Path(tmp) / "error"),
+               LAUNCH_COMMAND_ENV: os.environ.get(LAUNCH_COMMAND_ENV) or command,
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if nodes.count == 1 and sys.platform.startswith("linux"):  # gloo's sockets on loopback too
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
