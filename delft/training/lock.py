@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from delft import signals
 from delft.errors import UserError
 from delft.rundir import LOCK_FILE
 
@@ -126,18 +127,32 @@ def run_lock(run_dir: Path) -> Iterator[Lock]:
         return
     run_dir = Path(run_dir)
     path = lock_path(run_dir)
+    made, fd = not run_dir.is_dir(), None
     try:
-        made = not run_dir.is_dir()
-        fd = _open_locked(run_dir, path)
+        # a Ctrl-C or SIGTERM while the lock is being taken waits until it is held, then raises here, inside the
+        # try: the lock file is never left behind by a stop that lands between its creation and the release
+        with signals.held():
+            fd = _acquire(run_dir, path)
+        yield Lock(path, _stale(fd))
+    finally:
+        if fd is not None:
+            _release(fd, path, run_dir, made)
+
+
+def _acquire(run_dir: Path, path: Path) -> int:
+    """The lock file opened and locked (the run directory made first), or one paragraph."""
+    try:
+        return _open_locked(run_dir, path)
     except UserError:
         raise
     except OSError as e:
         raise UserError(f"cannot create the run directory {run_dir} here ({e.strerror}: {e.filename or run_dir})",
                         "output.dir", "Choose an output.dir in a directory you can write to.") from None
+
+
+def _stale(fd: int) -> Optional[int]:
+    """The pid an earlier holder left in the lock file (None: none, or this process), replaced by this one's."""
     stale = _recorded_pid(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    try:
-        yield Lock(path, stale if stale != os.getpid() else None)
-    finally:
-        _release(fd, path, run_dir, made)
+    return stale if stale != os.getpid() else None
