@@ -27,6 +27,10 @@ err_console = Console(stderr=True)
 DEBUG = os.environ.get("DELFT_DEBUG") == "1"
 
 SET_HELP = "Override a recipe key, e.g. --set train.max_steps=50 (repeatable)."
+# compare's and study's --nproc: each run trained by `delft train --nproc N`, evaluated once in the command's process
+ARMS_NPROC = typer.Option(None, "--nproc", min=1, help="Train each run on N processes (one per GPU) with delft train "
+                          "--nproc N; needed for train.distributed: fsdp arms. The runs are evaluated once, in this "
+                          "process.")
 
 
 def _allow_seen_option():
@@ -331,9 +335,7 @@ def compare(
     force: bool = typer.Option(False, "--force", help="Replace earlier results in --out (as a set)."),
     plan: bool = typer.Option(False, "--plan", help="Train nothing: check the recipes as a comparison and print "
                               "every run (finished, resumed or to train), the steps left and the sets to score."),
-    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Train each run on N processes (one per GPU) "
-                                        "with delft train --nproc N; needed for train.distributed: fsdp arms. The "
-                                        "runs are evaluated once, in this process."),
+    nproc: Optional[int] = ARMS_NPROC,
     allow_seen: bool = False,
 ):
     """Train what is missing, then evaluate the base model and every adapter side by side."""
@@ -363,9 +365,7 @@ def study(
     plan: bool = typer.Option(False, "--plan", help="Train nothing: print, for each comparison, the smallest "
                               "difference its seeds and problems can detect (80 % power), from the study file's "
                               "plan.seed_spread or plan.pilot, and warn where it exceeds the margin."),
-    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Train each run on N processes (one per GPU) "
-                                        "with delft train --nproc N; needed for train.distributed: fsdp arms. The "
-                                        "runs are evaluated once, in this process."),
+    nproc: Optional[int] = ARMS_NPROC,
     allow_seen: bool = False,
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
