@@ -144,6 +144,15 @@ def lora_run(model_dir: Path, run_dir: Path, targets=("q_proj", "v_proj"), r: in
     return run_dir
 
 
+def refused(r, *words: str) -> None:
+    """Exit 2, no traceback, and the message says every one of ``words``."""
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output, r.output
+    text = " ".join(r.output.split())
+    for w in words:
+        assert w in text, (w, r.output)
+
+
 def run_cli(*args, **invoke):
     """``delft <args>`` in-process through typer's CliRunner (arguments str()-ed, so Paths may be passed); the
     click Result: exit_code, output (stdout and stderr), exception. ``invoke`` goes to CliRunner.invoke

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import recipe_file, run_cli
+from helpers import recipe_file, refused, run_cli
 from tiny import CHAT_TEMPLATE, build_tokenizer, save_tiny
 
 from delft.data.templates import MAX_STEPS, render_chat
@@ -51,14 +51,6 @@ def model_with_template(tmp_path: Path, template: str, in_config: bool = False) 
     else:
         (model / "chat_template.jinja").write_text(template)
     return model
-
-
-def refused(r, *words: str) -> None:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    text = " ".join(r.output.split())
-    for w in words:
-        assert w in text, (w, r.output)
 
 
 def test_a_looping_template_is_stopped_with_a_paragraph_in_eval_and_train(tmp_path):

@@ -14,22 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_only_dir, recipe_file, run_cli
+from helpers import read_only_dir, recipe_file, refused, run_cli
 
 from delft.errors import UserError
 from delft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_INFO
 
 FAST = ["--set", "eval.max_new_tokens=2", "--set", "eval.batch_size=2", "--set", "eval.bootstrap=10"]
 PROMPT = "What is 5 + 7?"
-
-
-def refused(r, *words: str) -> None:
-    """Exit 2, no traceback, and the message says every one of ``words``."""
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    text = " ".join(r.output.split())
-    for w in words:
-        assert w in text, (w, r.output)
 
 
 def eval_args(model: Path, *runs, extra=()) -> list:

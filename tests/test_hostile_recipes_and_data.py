@@ -9,22 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import recipe_file, run_cli
+from helpers import recipe_file, refused, run_cli
 
 from delft.data.pipeline import build_datasets
 from delft.errors import UserError
 from delft.models.context import check_model_max_length, config_context
 from delft.recipe.schema import validate_recipe
 from delft.rundir import RUN_INFO
-
-
-def refused(r, *words: str) -> None:
-    """Exit 2, no traceback, and the message says every one of ``words``."""
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    text = " ".join(r.output.split())
-    for w in words:
-        assert w in text, (w, r.output)
 
 
 def jsonl(path: Path, rows: list[dict]) -> Path:
