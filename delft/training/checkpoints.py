@@ -117,6 +117,14 @@ def _load_weights(ckpt: Path, model) -> None:
                         f"{len(missing)} missing)", "output.dir", "Use --force to start over.")
 
 
+def weights_only_refusal(e: pickle.UnpicklingError) -> Optional[str]:
+    """Why ``torch.load(weights_only=True)`` refused a file (the global it names, or ""), or None when the error
+    is not that refusal (a damaged file)."""
+    if not str(e).startswith("Weights only load failed"):
+        return None
+    return next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line), "")
+
+
 def load_data_only(path: Path, ckpt: Path):
     """A torch file of a checkpoint read as data only: tensors, numbers, strings and containers of them
     (``weights_only=True``). delft and transformers write nothing else there, so a file that holds other Python
@@ -127,9 +135,9 @@ def load_data_only(path: Path, ckpt: Path):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        if not str(e).startswith("Weights only load failed"):
+        reason = weights_only_refusal(e)
+        if reason is None:
             raise
-        reason = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line), "")
         raise UserError(f"{path} holds Python objects, not only tensors and numbers ({reason[:160]}); delft never "
                         "writes such a file, and loading it could run code planted in it, so it was not loaded and "
                         "nothing was deleted", "output.dir",

@@ -50,7 +50,7 @@ from delft import rundir
 from delft.errors import UserError
 from delft.outputs import disk_full, follow_umask, is_disk_full, publish, remove, temporary_sibling
 from delft.training import distributed as dist
-from delft.training.checkpoints import AGAIN, check_free_space, read_state
+from delft.training.checkpoints import AGAIN, check_free_space, read_state, weights_only_refusal
 
 SHARDED_MARK = "sharded.json"  # the world size that wrote the checkpoint
 METADATA = ".metadata"  # DCP's index of the checkpoint
@@ -146,9 +146,9 @@ def _load_bytes_item(value: io.BytesIO, path: Path, ckpt: Path):
     try:
         return torch.load(value, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        if not str(e).startswith("Weights only load failed"):
+        reason = weights_only_refusal(e)
+        if reason is None:
             raise Damaged(f"an item of {path.name} cannot be read") from None
-        reason = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "global" in ln), "")
         raise refuse_planted(path, ckpt, reason or "not plain data") from None
     except Exception as e:
         raise Damaged(f"an item of {path.name} cannot be read ({type(e).__name__})") from None
