@@ -16,6 +16,7 @@ from delft import __version__
 from delft.data.sources import HUB_ID
 from delft.errors import UserError
 from delft.evaluation.metrics import HEADLINE
+from delft.losses.registry import LOSS_TYPES
 from delft.outputs import human_size
 from delft.recipe.files import load_run_recipe
 from delft.rundir import EXPORT_INFO, RECIPE  # noqa: F401 (EXPORT_INFO: merge and gguf import it from here)
@@ -85,11 +86,18 @@ def _is_hub_id(name: str) -> bool:
     return bool(re.fullmatch(HUB_ID, name)) and not Path(name).expanduser().exists()
 
 
+def loss_description(loss: str, weight) -> str:
+    """The model card's loss row, read from the loss table: CE plus lambda times the term for a loss that adds one;
+    the table's own line for one that adds none (CE alone, or dft, which weights CE itself and takes no lambda)."""
+    kind = LOSS_TYPES.get(loss)
+    if kind is not None and not kind.has_term:
+        return f"{loss}: {kind.summary}"
+    return f"CE + lambda x {loss} with lambda = {weight:g}" if isinstance(weight, (int, float)) else str(loss)
+
+
 def model_card(r: ExportResult, info: dict, recipe, evals: list, run_dir: Path) -> str:
     loss = info.get("loss") or (recipe.loss.type if recipe else "?")
-    weight = info.get("loss_weight", recipe.loss.weight if recipe else None)
-    loss_text = "cross-entropy only" if loss == "ce" else f"CE + lambda x {loss} with lambda = {weight:g}" \
-        if isinstance(weight, (int, float)) else str(loss)
+    loss_text = loss_description(loss, info.get("loss_weight", recipe.loss.weight if recipe else None))
     front = ["---", "library_name: transformers", "tags:", "- delft", "- lora", "- merged"]
     if info.get("quantization") == "nf4":
         front.append("- qlora")
