@@ -367,10 +367,21 @@ def study(
                               "plan.seed_spread or plan.pilot, and warn where it exceeds the margin."),
     nproc: Optional[int] = ARMS_NPROC,
     allow_seen: bool = False,
+    report: bool = typer.Option(False, "--report", help="Train and evaluate nothing: write the analysis in the "
+                                "study's out/study.json, its summary.md and tables.txt again from that study.json "
+                                "with this delft's analysis (the evaluation tables in tables.txt are kept)."),
 ):
     """Run a whole loss study: train what is missing, evaluate every set, write results with paired intervals."""
-    from delft.experiments.study import plan_study, run_study
+    from delft.experiments.study import plan_study, report_again, run_study
 
+    if report:
+        given = [flag for flag, on in (("--plan", plan), ("--train-only", train_only), ("--force", force),
+                                       ("--nproc", nproc is not None), ("--data-dir", data_dir is not None)) if on]
+        if given:
+            raise UserError(f"--report trains and evaluates nothing, so {', '.join(given)} has nothing to act on",
+                            "delft study --report", "Drop " + ", ".join(given) + ", or run without --report.")
+        report_again(study_file, overrides=set_, console=console)
+        return
     if plan:
         plan_study(study_file, data_dir=data_dir, overrides=set_, console=console)
         return

@@ -17,6 +17,8 @@ from typing import Optional
 
 from delft.errors import UserError
 from delft.evaluation.metrics import EXACT_MATCH
+from delft.experiments.breakdown import breakdown, breakdown_renderables
+from delft.experiments.reproduction import pilot_reproduction, reproduction_renderables, study_pilot
 from delft.experiments.seed_tests import (
     ALPHA,
     detectable_difference,
@@ -42,13 +44,17 @@ TEST_NAMES = {"t_test": "t test over seeds", "two_way": "two-way interval over s
               "sign_flip": "sign-flip test over seeds", "wilcoxon": "Wilcoxon signed-rank test over seeds"}
 
 
-def analyse(report: dict, controls: list[str], margin_points: float, margin_stated: Optional[bool]) -> dict:
-    """The report's seed-level rows, verdicts and flipped answers (what study.json keeps beside the sections)."""
+def analyse(report: dict, controls: list[str], margin_points: float, margin_stated: Optional[bool],
+            study_file: Optional[str] = None) -> dict:
+    """The report's seed-level rows, verdicts and flipped answers, its descriptive endpoints by group, and how its
+    runs compare with the pilot's of the same name (the pilot that ``study_file``, by default the report's own
+    study file, names): what study.json keeps beside the sections."""
     rows = seed_analysis(report)
     calibrators = report["settings"].get("calibrators") or []
     return {"seed_level": rows, "verdicts": verdicts(rows, controls, margin_points, margin_stated, calibrators,
                                                      report["settings"].get("decide", "t")),
-            "flips": flips(report)}
+            "flips": flips(report), "breakdown": breakdown(report),
+            "reproduction": pilot_reproduction(report, study_pilot(study_file or report.get("study")))}
 
 
 def scores_by_seed(sec: dict, keep: Optional[list[int]] = None) -> dict[str, dict[int, list[float]]]:
@@ -453,13 +459,14 @@ TABLES_HEADING = "delft study, with the seed as the unit"  # marks the block in 
 
 
 def analysis_renderables(report: dict) -> list:
-    """The seed-level rows and the verdicts as rich renderables: the terminal's and tables.txt's view of what
-    summary.md says in its sections on them."""
+    """The seed-level rows and the verdicts, the endpoints by group and the pilot's runs reproduced, as rich
+    renderables: the terminal's and tables.txt's view of what summary.md says in its sections on them."""
     from rich.table import Table
 
     rows = report.get("seed_level") or []
+    extra = [*breakdown_renderables(report.get("breakdown")), *reproduction_renderables(report.get("reproduction"))]
     if not rows:
-        return []
+        return extra
     table = Table(title=f"{TABLES_HEADING}: recipe minus reference, points (t test over seeds, Holm over every "
                         "row; the bootstrap is descriptive)")
     for column in SEED_LEVEL_COLUMNS:
@@ -467,7 +474,7 @@ def analysis_renderables(report: dict) -> list:
     for r in rows:
         table.add_row(*seed_level_cells(r))
     verdict = [line.replace("**", "") for line in verdict_lines(report.get("verdicts"))[2:] if line]
-    return [table, *verdict, ""]
+    return [table, *verdict, "", *extra]
 
 
 def analysis_text(report: dict) -> str:

@@ -11,6 +11,7 @@ smallest difference the comparison could detect. ``out`` gets ``study.json`` (se
 prediction), ``summary.md``, ``tables.txt`` and one plot per set; earlier results there are refused before any
 training unless ``--force``, which replaces them as a set (compare's ``check_results_out``). Every eval set is
 read and checked (``load_sets``) before the first training step, so a set that cannot be scored is refused then.
+``--report`` (``report_again``) writes the analysis, summary.md and tables.txt again from a stored study.json.
 """
 
 from __future__ import annotations
@@ -55,35 +56,17 @@ from delft.evaluation.teacher_forced import (
 from delft.experiments.arms import check_unsharded, reference_name, resolve_contenders, train_all
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready
-from delft.experiments.power import (
-    PLAN_COLUMNS,
-    Unpiloted,
-    comparisons,
-    control_flags,
-    endpoint_floors,
-    endpoint_lines,
-    flag_lines,
-    plan_cells,
-    floored_in_pilot,
-    plan_rows,
-    read_pilot,
-)
+from delft.experiments.power import (PLAN_COLUMNS, Unpiloted, comparisons, control_flags, endpoint_floors,
+                                     endpoint_lines, flag_lines, floored_in_pilot, plan_cells, plan_rows, read_pilot)
 from delft.experiments.seed_level import FLOOR, MARGIN, analyse, analysis_renderables
 from delft.experiments.seed_tests import ALPHA, POWER
-from delft.experiments.summary import study_summary
+from delft.experiments.summary import rewrite, study_summary
 from delft.experiments.transitions import check_measured, run_transitions
 from delft.models.scratch import base_name
 from delft.outputs import check_output_dir, result_set, tables_console, write_result
 from delft.experiments.totals import own_results_as_pilot, planned_runs, show_runs, study_totals
 from delft.recipe.files import merge_keys, parse_overrides, read_yaml
-from delft.recipe.schema import (
-    GENERATED,
-    DataConfig,
-    ReasoningGymConfig,
-    Recipe,
-    SyntheticConfig,
-    describe_error,
-)
+from delft.recipe.schema import GENERATED, DataConfig, ReasoningGymConfig, Recipe, SyntheticConfig, describe_error
 from delft.recipe.section import Section
 
 STUDY_JSON, SUMMARY, TABLES = "study.json", "summary.md", "tables.txt"
@@ -698,3 +681,16 @@ def run_study(path: Path, data_dir: Optional[Path] = None, overrides: Sequence[s
     console.print(f"[green]wrote[/] {out / STUDY_JSON}, {out / SUMMARY}, {out / TABLES} and "
                   f"{len(sections)} plots in {out}")
     return report
+
+
+def report_again(path: Path, overrides: Sequence[str] = (), console: Optional[Console] = None) -> None:
+    """``delft study FILE --report``: the study's analysis, summary.md and tables.txt written again from the
+    study.json in its out with this code (delft.experiments.summary.rewrite); nothing trained or evaluated."""
+    own, recipe_keys = split_overrides(overrides)
+    if recipe_keys:
+        raise UserError(f"--report trains and evaluates nothing, so recipe keys ({', '.join(recipe_keys)}) change "
+                        "nothing in it", f"{path}: --set", "Drop them, or run the study without --report.")
+    out = Path(load_study(Path(path), own).out)
+    rewrite(out, str(path), f"{path}: out")
+    (console or Console()).print(f"[green]wrote[/] {out / STUDY_JSON}'s analysis, {out / SUMMARY} and {out / TABLES} "
+                                 f"again from {out / STUDY_JSON}")

@@ -11,9 +11,12 @@ from typing import Optional
 from delft.data.sources import normalised_prompt
 from delft.evaluation.contamination import mix_line, training_prompts
 from delft.evaluation.metrics import PAIRED
+from delft.errors import UserError
 from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
+from delft.experiments.breakdown import BREAKDOWN_HEADING, breakdown, breakdown_lines
 from delft.experiments.curves import curve_lines
 from delft.experiments.power import plan_lines
+from delft.experiments.reproduction import REPRODUCTION_HEADING, reproduction_lines
 from delft.experiments.results import markdown_set
 from delft.experiments.seed_level import (
     MARGIN,
@@ -26,7 +29,7 @@ from delft.experiments.seed_level import (
     verdict_lines,
 )
 from delft.experiments.transitions import transition_lines
-from delft.outputs import pct, write_atomic
+from delft.outputs import pct, result_set, write_result
 from delft.recipe.files import read_yaml
 from delft.recipe.schema import validate_recipe
 
@@ -156,6 +159,8 @@ def study_summary(report: dict) -> str:
     lines += curve_lines(report.get("curves") or {})
     lines += transition_lines(report.get("transitions"))
     lines += [] if gated else verdict_lines(report.get("verdicts"))
+    lines += breakdown_lines(report["breakdown"] if "breakdown" in report else breakdown(report))
+    lines += reproduction_lines(report.get("reproduction"))
     lines += ["## Every set in full", ""]
     for key, sec in report["evals"].items():
         if sec["settings"]["mode"] == "teacher_forced":
@@ -191,20 +196,35 @@ def count_stored(report: dict) -> None:
                                       "counted": "afterwards, from the study's recipe and the stored questions"}
 
 
-def rewrite(out: Path) -> None:
-    """Recompute a study's seed-level analysis, verdicts and flipped answers from its study.json with this code
-    (counting its runs' training problems in its sets first when it was written before delft did), and write
-    study.json, summary.md and tables.txt's block on them again (each whole or not at all):
-    ``python bench/study_rewrite.py OUT``."""
+BLOCK_HEADINGS = (TABLES_HEADING, BREAKDOWN_HEADING, REPRODUCTION_HEADING)  # what may start tables.txt's analysis
+
+
+def tables_before_analysis(tables: str) -> str:
+    """tables.txt's evaluation tables: its analysis block (from the start of the line its first heading is on)
+    cut off, so that writing it again replaces it."""
+    starts = [tables.index(h) for h in BLOCK_HEADINGS if h in tables]
+    return tables[:tables.rfind("\n", 0, min(starts)) + 1] if starts else tables
+
+
+def rewrite(out: Path, study_file: Optional[str] = None, flag: str = "out") -> None:
+    """Recompute a study's analysis (seed-level rows, verdicts, flipped answers, the endpoints by group, the
+    pilot's runs reproduced) from its study.json with this code, counting its runs' training problems in its sets
+    first when it was written before delft did, and write study.json, summary.md and tables.txt's analysis block
+    again, all three written in full beside ``out`` before any replaces its old copy (``delft study FILE
+    --report``; ``python bench/study_rewrite.py OUT``). ``study_file`` names the pilot (default: the one the report
+    records); the evaluation tables at the top of tables.txt are kept as they are."""
     out = Path(out)
+    if not (out / "study.json").is_file():
+        raise UserError(f"{out / 'study.json'} is not there: the study has not written its results yet, so there "
+                        "is no report to write again", flag, "Run the study to the end first (delft study FILE "
+                        "writes study.json once every run is evaluated); --report only rewrites what it wrote.")
     report = json.loads((out / "study.json").read_text())
     settings = report["settings"]
     count_stored(report)
     report.update(analyse(report, settings.get("controls") or [], settings.get("margin", MARGIN),
-                          settings.get("margin_stated", _margin_stated(report.get("study")))))
+                          settings.get("margin_stated", _margin_stated(report.get("study"))), study_file))
     tables = (out / "tables.txt").read_text() if (out / "tables.txt").exists() else ""
-    if TABLES_HEADING in tables:  # an earlier analysis block: replaced, from the start of its title's line
-        tables = tables[:tables.rfind("\n", 0, tables.index(TABLES_HEADING)) + 1]
-    write_atomic(out / "study.json", json.dumps(report, indent=1) + "\n")
-    write_atomic(out / "summary.md", study_summary(report))
-    write_atomic(out / "tables.txt", tables + analysis_text(report))
+    with result_set(out, (), flag) as new:
+        write_result(new / "study.json", json.dumps(report, indent=1) + "\n", flag)
+        write_result(new / "summary.md", study_summary(report), flag)
+        write_result(new / "tables.txt", tables_before_analysis(tables) + analysis_text(report), flag)
