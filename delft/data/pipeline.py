@@ -4,14 +4,17 @@ split off validation, tokenize, and count what was kept."""
 from __future__ import annotations
 
 import random
+import stat
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from delft.data.batches import tokenize_example
 from delft.data.columns import check_columns_present
 from delft.data.generated import nupa_examples, reasoning_gym_examples, synthetic_examples
-from delft.data.sources import Example, load_rows, row_to_example
+from delft.data.sources import Example, is_data_file, load_rows, row_to_example
 from delft.errors import UserError
 from delft.numbers.tokens import IGNORE
 
@@ -28,13 +31,55 @@ def load_examples(cfg, where: str = "data", exclude: Collection[str] = frozenset
     elif cfg.format == "nupa":
         examples = nupa_examples(cfg.nupa, exclude, cfg.limit, where)
     else:
-        rows, label = load_rows(cfg, where)
-        check_columns_present(rows, cfg.columns, label, where)
-        examples = [row_to_example(r, cfg.format, i, label, where, cfg.columns)
-                    for i, r in enumerate(rows[: cfg.limit])]
+        examples = _read_examples(cfg, where)
     if not examples:
         raise UserError("the data source gave no examples", f"{where}.source", "Check the file and data.limit.")
     return examples
+
+
+# A data file is read and parsed once per process, whoever asks: delft train's checks before loading
+# (delft.training.precheck), its setup, the held-out slice and the contamination counts each want the same
+# examples. Handing the parsed list from the checks to setup instead would thread data through the run lifecycle
+# (delft.training.stages, run and every stage's load), which knows nothing of data, and would still miss the
+# readers beside it; keyed here, every reader shares one parse. The key is what decides the examples: the file as
+# it is on disk (resolved path, device, inode, size, modification and change times in ns, so a file rewritten or
+# replaced in between is read again) and the section's format, columns and limit. A few files are kept (a
+# training and an eval file, a comparison's): their examples stay in memory beside the tokens built from them.
+_PARSED: OrderedDict = OrderedDict()
+PARSED_KEPT = 4
+
+
+def _file_key(cfg) -> Optional[tuple]:
+    """What decides a local data file's examples, or None for a hub set or a path that is not a regular file (read
+    as before, and refused by what it is)."""
+    if not is_data_file(cfg.source):
+        return None
+    path = Path(cfg.source).expanduser()
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    columns = tuple(sorted(cfg.columns.items())) if cfg.columns else None
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, cfg.format,
+            columns, cfg.limit)
+
+
+def _read_examples(cfg, where: str) -> list[Example]:
+    """A file's or hub set's examples (its first ``cfg.limit``); a local file's parsed once (``_PARSED``)."""
+    key = _file_key(cfg)  # taken before the read: a file changed while it is read is read again next time
+    if key in _PARSED:
+        _PARSED.move_to_end(key)
+        return list(_PARSED[key])  # a list of its own; the examples themselves are never changed in place
+    rows, label = load_rows(cfg, where)
+    check_columns_present(rows, cfg.columns, label, where)
+    examples = [row_to_example(r, cfg.format, i, label, where, cfg.columns) for i, r in enumerate(rows[: cfg.limit])]
+    if key is not None and examples:
+        _PARSED[key] = examples
+        while len(_PARSED) > PARSED_KEPT:
+            _PARSED.popitem(last=False)
+    return list(examples)
 
 
 @dataclass

@@ -75,14 +75,16 @@ def load_tokenizer(path: str, revision: Optional[str] = None, trust_remote_code:
 
 
 def load_model(ref: ModelRef, device: str, dtype, quantization: str, double_quant: bool = True,
-               revision: Optional[str] = None, trust_remote_code: bool = False):
-    """The base model on ``device``; nf4 through bitsandbytes when asked (compute in ``dtype``)."""
+               revision: Optional[str] = None, trust_remote_code: bool = False, checked: bool = False):
+    """The base model on ``device``; nf4 through bitsandbytes when asked (compute in ``dtype``). ``checked``: the
+    caller has run ``check_model_dir`` on this directory with the same ``trust_remote_code`` (training's setup,
+    when its tokenizer loaded), so it is not checked again."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # use_safetensors: never a pickle (pytorch_model.bin), from a directory or from the hub
     kwargs = dict(dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, use_safetensors=True)
-    if ref.is_local:
+    if ref.is_local and not checked:
         check_model_dir(Path(ref.path), ref.name, trust_remote_code)
     if quantization == "nf4":
         _check_cpu_nf4(ref, device)

@@ -1,6 +1,7 @@
 """What ``delft train`` checks before any weights load, and ``delft recipe check`` checks the same way (one function
 both call): the device is there, nf4 or an 8-bit optimizer on the CPU has a bitsandbytes delft has tested there,
-every tracker of train.report_to imports, a local data file gives examples. Each costs seconds at most; the same
+every tracker of train.report_to imports, a local data file gives examples, the held-out slice of
+train.accuracy_steps is not the training data (delft.training.heldout). Each costs seconds at most; the same
 refusal after the model loaded costs minutes, and a "valid recipe" that train then refuses costs the user's trust in
 the check.
 
@@ -28,6 +29,7 @@ from delft.models.loading import (
 )
 from delft.recipe.schema import GENERATED
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
+from delft.training.heldout import check_heldout_slice
 from delft.training.loggers import check_backends
 
 
@@ -38,14 +40,21 @@ def check_before_loading(recipe) -> None:
         resolve_device(recipe.model.device)  # refuses model.device cuda without a GPU
     check_bitsandbytes_here(recipe)
     check_backends(t.report_to)
-    folder = Path(recipe.model.name).expanduser()
-    if recipe.model.init != "scratch" and folder.is_dir():  # a hub model's config is read once it is here (setup)
-        check_max_length(recipe.data.max_length, folder, recipe.model.name)
+    if named_folder(recipe):  # here, not in setup: any other model's config is read once it is here (setup)
+        check_max_length(recipe.data.max_length, Path(recipe.model.name).expanduser(), recipe.model.name)
     if local_data_file(recipe.data.source, recipe.data.format):
-        # an empty, unreadable or malformed file is refused by name and row, a file of empty completions too
+        # an empty, unreadable or malformed file is refused by name and row, a file of empty completions too; the
+        # parse is kept for setup and the held-out slice (delft.data.pipeline reads a file once per process)
         examples = load_examples(recipe.data)
         if t.stage == "sft":
             check_not_all_empty(examples, recipe.data)
+    check_heldout_slice(recipe)
+
+
+def named_folder(recipe) -> bool:
+    """Whether model.name names a model folder here (not an alias, a GGUF file or a hub id): its context is
+    checked here, before loading, and setup does not read it again."""
+    return recipe.model.init != "scratch" and Path(recipe.model.name).expanduser().is_dir()
 
 
 def check_bitsandbytes_here(recipe) -> None:

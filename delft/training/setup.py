@@ -32,6 +32,7 @@ from delft.recipe.model_section import resolve_quantization
 from delft.recipe.schema import Recipe
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 from delft.training import distributed as dist
+from delft.training.precheck import named_folder
 
 
 @dataclass
@@ -53,8 +54,12 @@ def setup(recipe: Recipe) -> Setup:
     device = resolve_device(recipe.model.device)
     quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning, recipe.train.distributed)
     ref = recipe_model_ref(recipe)
-    if recipe.model.init != "scratch" and ref.is_local:  # a hub model is here now: its config.json, before weights
+    if recipe.model.init != "scratch" and ref.is_local and not named_folder(recipe):
+        # a model that became a folder here (the hub's cache, an alias, a GGUF file): its config.json, before
+        # weights; a folder model.name names was checked before loading (delft.training.precheck, which train and
+        # recipe check run first), and is not read again
         check_max_length(recipe.data.max_length, Path(ref.path), recipe.model.name)
+    # checks a local folder (delft.models.loading.check_model_dir) once, for the tokenizer and the weights
     tokenizer = load_tokenizer(ref.path, recipe.model.revision, recipe.model.trust_remote_code)
     if recipe.loss.type != "ce":  # single digits or number tokens of 1-3 digits (Llama-3); glued digits refused
         vocab = NumberVocab.from_tokenizer(tokenizer, purpose=f"loss.type {recipe.loss.type!r}")
@@ -77,7 +82,7 @@ def build_model(s: Setup, console: Console):
     dtype = torch.float32 if r.train.distributed == "fsdp" else resolve_dtype(r.model.dtype, s.device)
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
     model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
-                       r.model.revision, r.model.trust_remote_code)
+                       r.model.revision, r.model.trust_remote_code, checked=True)  # by load_tokenizer in setup
     kernels = apply_liger_layers(model) if s.loss.fused else []
     if s.loss.fused:
         console.print(f"[bold]kernels[/] Liger {', '.join([FUSED_CE] + kernels)}")
