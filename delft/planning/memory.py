@@ -27,7 +27,6 @@ import re
 from delft.errors import UserError
 from delft.losses.registry import fused_applies
 from delft.planning.shapes import QWEN2, linear_shapes, lora_targets, model_shape, parameter_counts
-from delft.recipe.model_section import resolve_quantization
 from delft.recipe.schema import validate_recipe
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 
@@ -105,8 +104,7 @@ def dtype_bytes(dtype: str) -> int:
 def planned_nf4(recipe) -> bool:
     """Whether the run quantises its base to nf4 on a GPU (quantization auto: for LoRA, not full fine-tuning, and
     not under train.distributed fsdp, which refuses nf4: FSDP2 shards the base in the model dtype)."""
-    t = recipe.train
-    return resolve_quantization(recipe.quantization.mode, "cuda", t.finetuning, t.distributed) == "nf4"
+    return recipe.quantization_on("cuda") == "nf4"
 
 
 def state_bytes(recipe) -> float:

@@ -25,7 +25,7 @@ from delft.data.number_tasks import bins_text, drawn_counts, short_bins
 from delft.errors import UserError
 from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
-from delft.recipe.model_section import MUTATING_INITS, LoraConfig, ModelConfig, QuantizationConfig
+from delft.recipe.model_section import MUTATING_INITS, LoraConfig, ModelConfig, QuantizationConfig, resolve_quantization
 from delft.recipe.section import Section
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS, GrpoConfig, TrainConfig
 
@@ -383,6 +383,12 @@ class Recipe(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def quantization_on(self, device: str) -> str:
+        """quantization.mode resolved on ``device`` ("nf4", "int8" or "none"): the one rule (resolve_quantization)
+        for training and the memory plan alike."""
+        t = self.train
+        return resolve_quantization(self.quantization.mode, device, t.finetuning, t.distributed)
 
     def eval_data(self) -> DataConfig:
         """The eval set: as given, or the training source with another generator seed (the training problems are

@@ -29,6 +29,7 @@ from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
 from delft.training.checkpoints import AGAIN, check_free_space, final_bytes
 from delft.training.lock import run_lock
+from delft.training.placement import Placement, chosen
 from delft.training.report import plot_losses
 from delft.training.resume import check_replaceable, check_steps_left, check_writable, prepare_run_dir, truncate_metrics
 from delft.training.setup import Setup
@@ -47,6 +48,7 @@ class Run:
     console: Console
     resume_command: str  # said when a stop leaves the run to be resumed
     stops: StopSignals
+    placement: Placement  # whole weights or sharded (delft.training.placement), chosen once from the recipe
     ckpt: Optional[Path] = None  # the checkpoint the run resumes from
     replace: bool = False  # emptied (--force, or a run stopped before its first checkpoint) once the model loaded
 
@@ -139,7 +141,10 @@ def _opened(recipe: Recipe, stage: Stage, resume: Optional[bool], force: bool, c
     replaced or resumed: a signal during that waits for its end and then saves a checkpoint, so the directory is
     never left half done."""
     run_dir, ckpt, replace = prepare_run_dir(recipe, resume, force, console, stale_pid)
-    run = Run(run_dir, recipe, console, resume_command, StopSignals(immediate=not stage.signals_wait), ckpt, replace)
+    placement = chosen(recipe)
+    # sharded, every rank must stop at the same step to save its shards: a signal waits for the step's end
+    stops = StopSignals(immediate=not (stage.signals_wait or placement.sharded))
+    run = Run(run_dir, recipe, console, resume_command, stops, placement, ckpt, replace)
     trainer = stage.load(recipe, run)
     if ckpt is not None:  # the total is known now, also when train.epochs sets it; nothing is changed yet
         check_steps_left(ckpt, trainer.total_steps)
@@ -186,7 +191,7 @@ def _trained(run: Run, trainer: StageTrainer) -> None:
         except UserError:  # a full disk, a diverged loss: the run stops where its last checkpoint is
             _mark_interrupted(run)
             raise
-        if run.stops.received is not None and run.recipe.train.distributed != "fsdp":  # a stage whose signals wait:
+        if run.stops.received is not None and not run.placement.sharded:  # a stage whose signals wait:
             # its loop stopped at a step's end (a sharded loop's ranks agree there; one signalled after the last
             # step finishes the run with the others)
             _interrupted(run, trainer)
@@ -212,7 +217,7 @@ def _interrupted(run: Run, trainer: StageTrainer) -> None:
     (143) with the command that resumes the run."""
     step = trainer.step
     path: Optional[Path] = rundir.checkpoint_path(run.dir, step)
-    sharded = run.recipe.train.distributed == "fsdp"
+    sharded = run.placement.sharded
     if not _kept(run, path, sharded):
         path = trainer.save_checkpoint()  # None on the ranks other than 0, or before a stage's first step
     run.record(step, trainer.loss_path, status=rundir.INTERRUPTED)
@@ -243,7 +248,7 @@ def _publish(run: Run, trainer: StageTrainer) -> None:
         stopped = run.stops.received is not None  # a stage whose signals wait: recorded while the files were written
     except KeyboardInterrupt:
         stopped = True
-    if stopped and run.recipe.train.distributed == "fsdp":  # rank 0 cannot save shards alone: the run finishes
+    if stopped and run.placement.sharded:  # rank 0 cannot save shards alone: the run finishes
         stopped = False
     if stopped:
         shutil.rmtree(tmp, ignore_errors=True)

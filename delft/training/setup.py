@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from rich.console import Console
@@ -28,7 +29,6 @@ from delft.models.loading import (
 )
 from delft.models.scratch import recipe_model_ref
 from delft.numbers.tokens import NumberVocab
-from delft.recipe.model_section import resolve_quantization
 from delft.recipe.schema import Recipe
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS
 from delft.training import distributed as dist
@@ -52,7 +52,7 @@ class Setup:
 
 def setup(recipe: Recipe) -> Setup:
     device = resolve_device(recipe.model.device)
-    quant = resolve_quantization(recipe.quantization.mode, device, recipe.train.finetuning, recipe.train.distributed)
+    quant = recipe.quantization_on(device)
     ref = recipe_model_ref(recipe)
     if recipe.model.init != "scratch" and ref.is_local and not named_folder(recipe):
         # a model that became a folder here (the hub's cache, an alias, a GGUF file): its config.json, before
@@ -74,12 +74,11 @@ def setup(recipe: Recipe) -> Setup:
     return Setup(recipe, device, quant, tokenizer, loss, train, val, stats, ref)
 
 
-def build_model(s: Setup, console: Console):
+def build_model(s: Setup, console: Console, dtype: Optional[torch.dtype] = None):
     """(model with LoRA or every weight trainable, dtype, Liger layer kernels applied: [] or ["rms_norm", "swiglu",
-    "rope"])."""
+    "rope"]). ``dtype``: the weights' (the placement's choice; default the recipe's model.dtype on the device)."""
     r = s.recipe
-    # fsdp: fp32 shards, which the optimizer steps; on CUDA FSDP computes in bf16 (delft.training.sharding)
-    dtype = torch.float32 if r.train.distributed == "fsdp" else resolve_dtype(r.model.dtype, s.device)
+    dtype = dtype or resolve_dtype(r.model.dtype, s.device)
     torch.manual_seed(r.train.seed)  # LoRA's A matrices are random: same seed, same init
     model = load_model(s.model_ref, s.device, dtype, s.quantization, r.quantization.double_quant,
                        r.model.revision, r.model.trust_remote_code, checked=True)  # by load_tokenizer in setup

@@ -29,24 +29,14 @@ from delft.outputs import follow_umask, no_space_is_a_user_error, staged
 from delft.recipe.model_section import MUTATING_INITS
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
-from delft.training import sharded_checkpoints, sharding
-from delft.training.checkpoints import (
-    AGAIN,
-    check_free_space,
-    final_bytes,
-    load_checkpoint,
-    restore_trainer_state,
-    rng_states,
-    save_checkpoint,
-    trainer_state,
-)
+from delft.training.checkpoints import AGAIN, check_free_space, final_bytes, rng_states
 from delft.training.early_stopping import BEST_DIR, BEST_INFO, EarlyStopping
 from delft.training.heldout import HeldOut
 from delft.training.loggers import Reporters
 from delft.training.neftune import add_neftune
 from delft.training.progress import ProgressLines
 from delft.training.report import peak_memory_gb
-from delft.training.resume import other_layout
+from delft.training.placement import Unreadable, local_value
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
 from delft.training.setup import Setup, build_model, build_optimizer, build_scheduler, describe, setup
@@ -58,12 +48,11 @@ INITIAL_ADAPTER = "initial_adapter"  # lora.init pissa/olora: the init, for the 
 def load(recipe: Recipe, run: Run) -> "Trainer":
     """The run's data, model and Trainer, read before anything in the run directory changes."""
     random.seed(recipe.train.seed)
-    if recipe.train.distributed == "fsdp":
-        sharding.check_launch(recipe, resolve_device(recipe.model.device))
+    run.placement.check_launch(recipe, resolve_device(recipe.model.device))
     s = setup(recipe)
     check_snapshot_steps(recipe, make_schedule(recipe, len(s.train), dist.world_size()).total_steps)
-    model, dtype, kernels = build_model(s, run.console)
-    if not s.model_ref.is_local:  # a local config.json was read before loading (delft.training.setup)
+    model, dtype, kernels = build_model(s, run.console, run.placement.weights_dtype(recipe, s.device))
+    if not s.model_ref.is_local:  # a local config.json was read before loading (precheck or setup)
         check_model_max_length(recipe.data.max_length, model, recipe.model.name)
     describe(s, model, dtype, run.console)
     return Trainer(s, model, dtype, kernels, run)
@@ -81,8 +70,7 @@ class Trainer:
         self.recipe, self.loss = s.recipe, s.loss
         self.schedule = make_schedule(s.recipe, len(s.train), dist.world_size())
         self.total_steps = self.schedule.total_steps
-        # train.distributed fsdp: the FSDP root (the model and the loss), whose forward the steps call; None: ddp
-        self.root = sharding.shard(model, s.loss, s.recipe, s.device) if t.distributed == "fsdp" else None
+        self.placement = run.placement(model, s.loss, s.recipe, s.device)  # whole weights or sharded
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(s, self.params, dtype)
         self.scheduler = build_scheduler(s.recipe, self.optimizer, self.schedule.warmup_steps, self.total_steps)
@@ -108,110 +96,46 @@ class Trainer:
     # -- run directory
 
     def open(self, ckpt: Optional[Path]) -> None:
-        """The loop's part of opening the run directory: the pissa/olora init kept, the checkpoint loaded with the
-        CE paths the earlier run took, the loggers of train.report_to started. Rank 0 alone writes; the other ranks
-        only load the checkpoint."""
-        if self.root is not None and ckpt is not None:  # sharded: every rank loads its shards together
-            self.step = self.load_sharded(ckpt)
-        if not dist.is_main():
-            if self.root is None and ckpt is not None:
-                self.step = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
-            return
-        if self.initial_adapter is not None:  # before a checkpoint loads: the init is rebuilt the same way
+        """The loop's part of opening the run directory: the pissa/olora init kept, the checkpoint loaded on every
+        rank with the CE paths the earlier run took, the loggers of train.report_to started. Rank 0 alone writes."""
+        if self.initial_adapter is not None and dist.is_main():  # before a checkpoint loads: rebuilt the same way
             with staged(self.initial_adapter) as tmp:
                 save_initial_adapter(self.model, tmp)
         if ckpt is not None:
-            if self.root is None:
-                self.step = self.resume_from(ckpt)
+            self.step = self.resume_from(ckpt)
+        if not dist.is_main():
+            return
+        if ckpt is not None:
             earlier = rundir.read_info(self.run.dir).get("loss_path")  # a resumed run may change paths
             self.loss.ran.update(earlier.split("+") if earlier else ())
         if self.recipe.train.report_to:
             self.reporters = Reporters(self.recipe.train.report_to, self.run.dir, self.recipe.to_dict(),
                                        self.run.dir.name)
 
-    def load_sharded(self, ckpt: Path) -> int:
-        """The newest sharded checkpoint from ``ckpt`` back that loads, into every rank's shards (any number of
-        ranks wrote it); its step. Every file is checked as data first (a planted one is refused, not loaded); a
-        damaged one is said and the next older tried, on every rank alike. Rank 0 also restores early stopping."""
-        for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
-            if not sharded_checkpoints.is_sharded_checkpoint(candidate):
-                raise other_layout("ddp", "fsdp", candidate)
-            metadata, state, damaged = self.checked_everywhere(candidate)
-            if damaged is None:
-                try:
-                    sharded_checkpoints.load(candidate, metadata, self.root, self.optimizer)
-                except sharded_checkpoints.Damaged as e:  # DCP raises a failure on every rank together
-                    damaged = e
-            if damaged is not None:
-                self.say_damaged(candidate, damaged)
+    def resume_from(self, ckpt: Path) -> int:
+        """The newest checkpoint from ``ckpt`` back that loads (a damaged one is said and the next older tried, on
+        every rank alike); its step. Rank 0 also restores early stopping."""
+        step = rundir.checkpoint_step(ckpt)
+        older = [c for c in reversed(rundir.checkpoints(self.run.dir)) if rundir.checkpoint_step(c) < step]
+        for candidate in [ckpt, *older]:
+            try:
+                step, extra = self.placement.load(candidate, self.optimizer, self.scheduler)
+            except Unreadable as e:
+                self.console.print(f"[yellow]checkpoint {candidate} cannot be read ({str(e).splitlines()[0][:200]}); "
+                                   "trying an older one[/]")
                 continue
-            step, extra = restore_trainer_state(state, self.scheduler, torch_rng=False)
             if self.early_stopping is not None and dist.is_main():
                 self.early_stopping.load(extra.get("tracker"))
             return step
         raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run.dir)} can be read", "output.dir",
                         "Pass --force to start the run over.")
 
-    @staticmethod
-    def checked_everywhere(ckpt: Path) -> tuple:
-        """(DCP's index, the trainer state, None) of a sharded checkpoint whose files every rank checked as data, or
-        (None, None, why it cannot be read). The ranks agree before any of them enters DCP's load: one that saw a
-        planted or damaged file where another did not must not leave the others waiting there."""
-        metadata = state = damaged = refused = None
-        try:
-            metadata, state = sharded_checkpoints.check(ckpt)
-        except sharded_checkpoints.Damaged as e:
-            damaged = e
-        except UserError as e:
-            refused = e
-        planted, broken = dist.all_reduce_floats([float(refused is not None), float(damaged is not None)])
-        if planted:
-            raise refused or UserError(f"another rank refused {ckpt} (see rank 0's message)", "output.dir",
-                                       "Resume only runs you made; to start over, pass --force.")
-        if broken:
-            return None, None, damaged or sharded_checkpoints.Damaged("another rank could not read it")
-        return metadata, state, None
-
-    def older_checkpoints(self, ckpt: Path) -> list[Path]:
-        """The run's checkpoints older than ``ckpt``, newest first."""
-        step = rundir.checkpoint_step(ckpt)
-        return [c for c in reversed(rundir.checkpoints(self.run.dir)) if rundir.checkpoint_step(c) < step]
-
-    def say_damaged(self, ckpt: Path, e: Exception) -> None:
-        self.console.print(f"[yellow]checkpoint {ckpt} cannot be read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:160] if str(e) else ''}); trying an older one[/]")
-
-    def resume_from(self, ckpt: Path) -> int:
-        """Load ``ckpt``, or the newest older checkpoint that loads when it is damaged (saying so); its step."""
-        for candidate in [ckpt, *self.older_checkpoints(ckpt)]:
-            if sharded_checkpoints.is_sharded_checkpoint(candidate):
-                raise other_layout("fsdp", "ddp", candidate)
-            try:
-                extra: dict = {}
-                step = load_checkpoint(candidate, self.model, self.optimizer, self.scheduler, extra)
-                if self.early_stopping is not None:
-                    self.early_stopping.load(extra.get("tracker"))
-                return step
-            except UserError:
-                raise
-            except Exception as e:  # truncated safetensors, a broken pickle, a missing file: many types
-                self.say_damaged(candidate, e)
-        raise UserError(f"no checkpoint in {rundir.checkpoints_root(self.run.dir)} can be read", "output.dir",
-                        "Pass --force to start the run over.")
-
     def save_checkpoint(self) -> Optional[Path]:
-        """A checkpoint of the last whole step (rank 0 writes it; None on the others). Early stopping's state goes
-        with it under the key "tracker", as checkpoints have always stored it."""
+        """A checkpoint of the last whole step (None on a rank that does not get its path). Early stopping's state
+        goes with it under the key "tracker", as checkpoints have always stored it."""
         state = self.early_stopping.state() if self.early_stopping else None
-        if self.root is not None:  # every rank writes its shards
-            saved = trainer_state(self.step, sharded_checkpoints.SHARDED_MARK, self.scheduler, self.step_rng,
-                                  {"tracker": state})
-            return sharded_checkpoints.save(self.run.dir, self.root, self.optimizer, saved,
-                                            self.recipe.train.keep_checkpoints)
-        if not dist.is_main():
-            return None
-        return save_checkpoint(self.run.dir, self.model, self.optimizer, self.scheduler, self.step,
-                               self.recipe.train.keep_checkpoints, self.step_rng, extra={"tracker": state})
+        return self.placement.save(self.run.dir, self.optimizer, self.scheduler, self.step,
+                                   self.recipe.train.keep_checkpoints, self.step_rng, {"tracker": state})
 
     def save(self) -> None:
         """A checkpoint on train.save_steps, and the run info's step with it."""
@@ -233,13 +157,10 @@ class Trainer:
         self.step_rng = rng_states()  # an interrupt before the step commits resumes from exactly here
         batches = [self.batch(i) for i in dist.micro_indices(self.step, t.grad_accum)]
         dist.seed_step(t.seed, self.step)
-        if self.root is None:
-            out = optimizer_step(self.model, batches, self.loss, self.setup.device)
-            dist.all_reduce_grads(self.params)
-        else:  # FSDP reduce-scatters the gradients in every backward
-            out = optimizer_step(self.root, batches, self.loss, self.setup.device)
+        out = optimizer_step(self.placement.module, batches, self.loss, self.setup.device)
+        self.placement.reduce_gradients(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
-        grad_norm = sharding.local_value(grad_norm)  # a DTensor when the gradients are sharded
+        grad_norm = local_value(grad_norm)  # a DTensor when the gradients are sharded
         with self.run.stops.atomic():
             self.optimizer.step()
             self.scheduler.step()
@@ -267,11 +188,11 @@ class Trainer:
                            f"{tokens_per_s:,.0f} tok/s  peak {row['peak_mem_gb']:.2f} GB", highlight=False)
 
     def validate(self) -> Optional[float]:
-        """The validation loss (logged and shown) on rank 0; None on the others. Unsharded, rank 0 computes it
-        alone (the others wait at the next step); sharded, every rank takes part (each holds a part of every layer)."""
-        if self.root is None and not dist.is_main():
+        """The validation loss (logged and shown) on rank 0; None on the others. The ranks the placement involves
+        compute it (whole weights: rank 0 alone, the others wait at the next step; sharded: every rank)."""
+        if not self.placement.involved():
             return None
-        ev = evaluate_loss(self.model if self.root is None else self.root, self.setup.val, self.loss,
+        ev = evaluate_loss(self.placement.module, self.setup.val, self.loss,
                            self.recipe.train.batch_size, self.setup.tokenizer.pad_token_id, self.setup.device)
         if not dist.is_main():
             return None
@@ -283,9 +204,9 @@ class Trainer:
     def measure_accuracy(self) -> Optional[float]:
         """Greedy exact match on the held-out slice (delft.training.heldout), logged and shown by rank 0 (None on
         the others); who computes it as for validation."""
-        if self.root is None and not dist.is_main():
+        if not self.placement.involved():
             return None
-        with sharding.Gathered(self.root):  # sharded: every rank generates alike, with the root's weights gathered
+        with self.placement.gathered():  # sharded: every rank generates alike, with the weights gathered
             measured = self.heldout.measure(self.model)
         if not dist.is_main():
             return None
@@ -305,7 +226,7 @@ class Trainer:
 
         t, total = self.recipe.train, self.schedule.total_steps
         self.console.print(f"[bold]training[/] {total} steps x {t.grad_accum} micro-batches of {t.batch_size} "
-                           f"{dist.describe()}{sharding.describe(self.root)}"
+                           f"{dist.describe()}{self.placement.describe()}"
                            f"({self.schedule.micro_per_epoch} micro-batches per epoch), "
                            f"run directory {self.run.dir}")
         if self.setup.device == "cuda":
@@ -328,8 +249,7 @@ class Trainer:
                                                                  f"peak {peak_memory_gb(self.setup.device):.2f} GB")
                 lines.step(self.step, out["tokens"])
                 logged, stop = self.after_step(out, grad_norm, rate, stats)
-                if self.root is not None:
-                    self.agree_on_signal()
+                self.placement.agree_on_signal(self.run.stops)  # sharded: the ranks stop together, here
                 if logged:
                     window_tokens, window_start = 0, time.perf_counter()
                 if stop:
@@ -338,21 +258,6 @@ class Trainer:
                         self.console.print(f"[yellow]early stopping[/] at step {self.step}: "
                                            f"{self.early_stopping.summary(self.step)['stopped_early']['why']}")
                     break
-
-    def agree_on_signal(self) -> None:
-        """Sharded, a signal is only recorded (train.distributed fsdp's stage waits for signals) and the ranks
-        stop together at the end of a step (its log line written), so every rank takes part in the checkpoint: a
-        rank that saved alone would wait forever for the others' shards. A rank that got no signal itself stops as
-        the others were asked to (SIGTERM if any rank got one: the code the launcher reports)."""
-        import signal as signals
-
-        mine = self.run.stops.received
-        interrupts, terms = dist.all_reduce_floats([float(mine == signals.SIGINT), float(mine == signals.SIGTERM)])
-        if interrupts == terms == 0:
-            return
-        if mine is None:
-            self.run.stops.received = signals.SIGTERM if terms else signals.SIGINT
-        raise KeyboardInterrupt
 
     def after_step(self, out: dict, grad_norm: float, rate: float, stats: str) -> tuple[bool, bool]:
         """Log, validate, measure, save and snapshot as this step asks: (logged, early stopping ends the run)."""
@@ -377,9 +282,7 @@ class Trainer:
         stopping = self.early_stopping
         if stopping is None or stopping.metric not in measured:
             return False
-        improved = dist.is_main() and stopping.update(measured[stopping.metric], self.step)
-        if self.root is not None:  # every rank takes part in gathering the best model
-            improved = bool(dist.all_reduce_floats([float(improved)])[0])
+        improved = self.placement.from_main(dist.is_main() and stopping.update(measured[stopping.metric], self.step))
         if improved and self.recipe.train.keep_best:
             self.save_best()
         stop = dist.is_main() and stopping.should_stop
@@ -401,19 +304,14 @@ class Trainer:
 
     def save_model(self, path: Path) -> None:
         """The model or adapter as a user loads it: a pissa/olora adapter converted to apply to the original base
-        (its checkpoints stay unconverted: a resume rebuilds the same mutated base). Sharded, it is gathered first
-        (see ``write_model_dir``)."""
-        if self.root is not None:
-            sharding.save_pretrained(self.root, path)
-        elif self.initial_adapter is None:
-            self.model.save_pretrained(path)
-        else:
-            self.model.save_pretrained(path, path_initial_model_for_weight_conversion=str(self.initial_adapter))
+        (its checkpoints stay unconverted: a resume rebuilds the same mutated base). ``path`` None: a rank that only
+        helps gather (sharded; see ``write_model_dir``)."""
+        self.placement.save_pretrained(self.model, path, self.initial_adapter)
 
     def snapshot(self) -> None:
         """The model (or adapter) and tokenizer as they are now, kept in snapshots/step-N (learning curves)."""
         path = rundir.snapshot_path(self.run.dir, self.step)
-        if path.is_dir() or (self.root is None and not dist.is_main()):  # a resumed run keeps the one it wrote
+        if path.is_dir() or not self.placement.involved():  # a resumed run keeps the one it wrote
             return
         self.write_model_dir(path, "snapshot", self.setup.tokenizer.save_pretrained)
 
@@ -421,8 +319,7 @@ class Trainer:
         """The model (or adapter) as ``save_model`` writes it, plus what ``also(tmp)`` adds, into ``path`` whole
         (staged; the free space checked first). Sharded, every rank calls it and the others only help gather."""
         if not dist.is_main():
-            if self.root is not None:
-                sharding.save_pretrained(self.root, None)
+            self.save_model(None)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         check_free_space(path.parent, final_bytes(self.model, self.setup.tokenizer), what)
@@ -439,10 +336,8 @@ class Trainer:
         if self.what == "model":
             self.model.config.use_cache = True  # as a loaded model expects (training turned it off)
         best = self.best_dir()
-        self.final_from_best = best is not None
+        self.final_from_best = self.placement.from_main(best is not None)  # the others gather only without it
         if best is not None:  # keep_best: the best step's files, not the last step's
-            if self.root is not None:  # the other ranks gather the last step's model all the same
-                sharding.full_state_dict(self.root)
             shutil.copytree(best, tmp, ignore=shutil.ignore_patterns(BEST_INFO))
         else:
             self.save_model(tmp)
@@ -450,9 +345,9 @@ class Trainer:
 
     def write_final_elsewhere(self) -> None:
         """What the ranks other than 0 do while rank 0 writes the final files: a sharded run's take part in
-        gathering the model."""
-        if self.root is not None:
-            sharding.full_state_dict(self.root)
+        gathering the model, unless rank 0 copies keep_best's best/ instead."""
+        if not self.placement.from_main(False):
+            self.save_model(None)
 
     def end(self) -> tuple[dict, list[Path]]:
         """Once the final files are in place: (what the run info adds: the best step and an early stop, what is

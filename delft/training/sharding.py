@@ -100,11 +100,6 @@ def describe(root: Optional[LossStep]) -> str:
     return f"sharded by FSDP2, 1/{dist.world_size()} of the weights on each " if root is not None else ""
 
 
-def local_value(x) -> float:
-    """A float of a tensor that may be a DTensor (the gradient norm over sharded gradients)."""
-    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
-
-
 class Gathered:
     """The weights gathered for rank 0's use: ``with Gathered(root):`` around generation or a save that calls the
     model outside the root's forward (every rank must enter it together)."""

@@ -5,7 +5,6 @@ to check and hands the recipe's stage to the run lifecycle every stage shares (d
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -33,8 +32,6 @@ def run_training(recipe: Recipe, resume: Optional[bool] = None, force: bool = Fa
     """Train ``recipe`` into its output.dir: a fresh run, a resume (``resume`` None: when a checkpoint is there)
     or, with ``force``, a replaced earlier run. Returns the run directory."""
     stage = STAGES[recipe.train.stage]
-    if recipe.train.distributed == "fsdp":  # every rank must stop at the same step to save its shards
-        stage = replace(stage, signals_wait=True)
     check_before_loading(recipe)  # what would otherwise be refused only once the model has loaded
     if dist.is_main():
         note_busy_machine(recipe.model.device, console or Console())
