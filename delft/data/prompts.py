@@ -9,8 +9,7 @@ from dataclasses import replace
 from delft.data.sources import Example
 from delft.data.templates import render_chat
 from delft.errors import UserError
-from delft.numbers.digits import ascii_digits
-from delft.numbers.formats import read_last_number, read_numbers, write_last_number, write_numbers
+from delft.numbers.formats import NumberForm
 
 
 def use_chat_template(tokenizer, cfg) -> bool:
@@ -29,42 +28,25 @@ def _messages(example: Example, cfg) -> list[dict]:
 
 
 def written_completion(text: str, cfg) -> str:
-    """A completion with its numbers in the data section's form (all of them, or with scope answer its last).
-    Digits of other scripts are written as ASCII digits first: the forms reverse and count ASCII digits only, and
-    the scorer reads a model's answer the same way (read_completion)."""
-    n = cfg.numbers
-    if not n.active():
-        return text
-    write = write_last_number if n.scope == "answer" else write_numbers
-    return write(ascii_digits(text), n.order, n.count_prefix)
+    """A completion with its numbers in the data section's form (delft.numbers.formats.NumberForm)."""
+    return NumberForm.of(cfg.numbers).write_completion(text)
 
 
 def read_completion(text: str, cfg) -> str:
-    """A model's answer, written in the data section's form, as natural text for the scorer. Give it the text cut
-    at the stop strings: with scope answer only the last number is read back, which must be the answer's. An
-    answer in Arabic-Indic or full-width digits is read as its ASCII digits, so it is read back (unreversed,
-    unwrapped) like any other rather than scored as written."""
-    n = cfg.numbers
-    if not n.active():
-        return text
-    read = read_last_number if n.scope == "answer" else read_numbers
-    return read(ascii_digits(text), n.order, n.count_prefix)
-
-
-def _writes_prompts(cfg) -> bool:
-    """Whether data.numbers rewrites the prompts' numbers too (scope everything, a form other than natural)."""
-    return cfg.numbers.active() and cfg.numbers.scope == "everything"
+    """A model's answer, written in the data section's form, as natural text for the scorer (cut at the stop
+    strings first). An answer in Arabic-Indic or full-width digits is read as its ASCII digits, so it is read back
+    (unreversed, unwrapped) like any other rather than scored as written."""
+    return NumberForm.of(cfg.numbers).read_completion(text)
 
 
 def written_question(text: str, cfg) -> str:
     """A question's text with its numbers written as the model saw its prompts (only with scope everything)."""
-    n = cfg.numbers
-    return write_numbers(ascii_digits(text), n.order, n.count_prefix) if _writes_prompts(cfg) else text
+    return NumberForm.of(cfg.numbers).write_question(text)
 
 
 def _written_prompt(example: Example, cfg) -> Example:
     """The example with its prompt's numbers written as the model saw them: only with scope everything."""
-    if not _writes_prompts(cfg):
+    if not NumberForm.of(cfg.numbers).writes_prompts:
         return example
     if isinstance(example.prompt, list):
         prompt = [{**m, "content": written_question(m["content"], cfg)} for m in example.prompt]

@@ -50,6 +50,7 @@ from delft.export.report import CHECK_PROMPTS, load_recipe_quietly
 from delft.models.loading import load_tokenizer
 from delft.models.sources import cache_dir, cache_error, resolve_model, usable_cache_dir
 from delft.numbers.answers import PLAIN_STOP_STRINGS
+from delft.numbers.formats import NumberForm
 from delft.outputs import pct, staged, temporary_sibling, write_atomic
 from delft.rundir import EXPORT_INFO, base_model, is_merged_model
 
@@ -413,15 +414,15 @@ def ollama_modelfile(tokenizer, model_file: str, adapter_file: Optional[str] = N
 def number_form_comment(numbers) -> list[str]:
     """Modelfile comment lines for a run trained on numbers written otherwise (data.numbers): what it answers in,
     and how to write prompts and read its answers (docs/number_formats.md#prompting-an-exported-model)."""
-    if not numbers.active():
+    form = NumberForm.of(numbers)
+    if not form.active:
         return []
-    form = f"{numbers.order} digits" + (" with {n:...} count prefixes" if numbers.count_prefix else "")
-    asked = ("write the numbers of your prompts the same way" if numbers.scope == "everything"
-             else "prompt with plain numbers")
+    asked = "write the numbers of your prompts the same way" if form.writes_prompts else "prompt with plain numbers"
     read = (f"from delft.numbers.formats import read_numbers, read_last_number; "
             f"read_{'last_number' if numbers.scope == 'answer' else 'numbers'}(answer, {numbers.order!r}, "
             f"{numbers.count_prefix})")
-    return [f"# This model writes numbers as {form} (data.numbers scope {numbers.scope}): {asked}, and read",
+    return [f"# This model writes numbers as {form.describe('{n:...} count prefixes')} (data.numbers scope "
+            f"{numbers.scope}): {asked}, and read",
             f"# its answers back with: {read}"]
 
 

@@ -44,6 +44,7 @@ from delft.inspection.render import render, to_json, write_plot
 from delft.models.context import check_context
 from delft.models.loading import using_model
 from delft.models.scratch import base_name
+from delft.numbers.formats import NumberForm
 from delft.numbers.tokens import NumberVocab
 from delft.outputs import check_output_files, write_result
 from delft.recipe.files import as_trained, load_recipe
@@ -153,8 +154,7 @@ def _write_outputs(result: InspectResult, json_out: Optional[Path], plot: Option
 
 def trained_form(adapter: Optional[str], cfg) -> str:
     """How a model writes its numbers (data.numbers order and count prefix; the base model: the recipe's)."""
-    n = as_trained(cfg.data, adapter).numbers
-    return f"{n.order} digits" + (" with count prefixes" if n.count_prefix else "")
+    return NumberForm.of(as_trained(cfg.data, adapter).numbers).describe()
 
 
 def check_one_form(specs: Sequence[_Spec], cfg) -> None:

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import io
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from delft.numbers.digits import run_places
+from delft.numbers.digits import ascii_digits, run_places
 
 ORDERS = ("natural", "reversed")
 
@@ -251,3 +252,54 @@ def _rewrite_last(text: str, order: str, count_prefix: bool, prefixed, piece) ->
     if order == "reversed":
         return _last_only(text, _RUN, lambda m: _reversed_span(m, m.start(), m.end()))
     return text
+
+
+@dataclass(frozen=True)
+class NumberForm:
+    """How a run writes its numbers (``data.numbers``): the digit order, the count prefix, and the scope, which
+    numbers are written so: the completion's last (answer), every number of the completion (completion), or the
+    prompts' too (everything). It owns the scope rule, so the training data, eval, held-out accuracy, GRPO's
+    rewards, inspect and export read a run's numbers alike. Digits of other scripts are written (and read) as ASCII
+    digits first: the forms reverse and count ASCII digits only."""
+
+    order: str = "natural"
+    count_prefix: bool = False
+    scope: str = "completion"
+
+    @classmethod
+    def of(cls, numbers) -> "NumberForm":
+        """The form of a recipe's data.numbers section (or anything with its three fields)."""
+        return cls(numbers.order, numbers.count_prefix, numbers.scope)
+
+    @property
+    def active(self) -> bool:
+        """Whether any number is written other than naturally."""
+        return self.order != "natural" or self.count_prefix
+
+    @property
+    def writes_prompts(self) -> bool:
+        """Whether the prompts' numbers are written in the form too (scope everything)."""
+        return self.active and self.scope == "everything"
+
+    def write_completion(self, text: str) -> str:
+        """A completion with its numbers in the form (all of them, or with scope answer its last)."""
+        if not self.active:
+            return text
+        write = write_last_number if self.scope == "answer" else write_numbers
+        return write(ascii_digits(text), self.order, self.count_prefix)
+
+    def read_completion(self, text: str) -> str:
+        """A model's answer written in the form, as natural text for the scorer. Give it the text cut at the stop
+        strings: with scope answer only the last number is read back, which must be the answer's."""
+        if not self.active:
+            return text
+        read = read_last_number if self.scope == "answer" else read_numbers
+        return read(ascii_digits(text), self.order, self.count_prefix)
+
+    def write_question(self, text: str) -> str:
+        """A question's text with its numbers written as the model saw its prompts (only with scope everything)."""
+        return write_numbers(ascii_digits(text), self.order, self.count_prefix) if self.writes_prompts else text
+
+    def describe(self, prefix: str = "count prefixes") -> str:
+        """'reversed digits with count prefixes', 'natural digits'."""
+        return f"{self.order} digits" + (f" with {prefix}" if self.count_prefix else "")

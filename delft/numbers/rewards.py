@@ -100,8 +100,8 @@ exact_reward.__name__, digit_reward.__name__ = "exact", "digits"  # the names TR
 
 
 def read_back(reward, read: Callable[[str], str], stops=PLAIN_STOP_STRINGS):
-    """``reward`` scoring each completion after ``read`` (a run's data.numbers form read back: delft.data.prompts
-    .read_completion) of its text cut at ``stops``, as eval reads a reversed or prefixed answer; same name for TRL's
+    """``reward`` scoring each completion after ``read`` (a run's data.numbers form read back:
+    delft.numbers.formats.NumberForm.read_completion) of its text cut at ``stops``, as eval reads a reversed or prefixed answer; same name for TRL's
     logs. The gold stays natural."""
     @functools.wraps(reward)  # its name for TRL's logs, and __wrapped__ for answer_column_of
     def read_then_score(completions: Sequence[Any], *args, **kwargs) -> list[Optional[float]]:

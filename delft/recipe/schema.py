@@ -23,8 +23,9 @@ from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
 from delft.data.number_tasks import bins_text, drawn_counts, short_bins
 from delft.errors import UserError
-from delft.losses.registry import GLOBAL, LOSS_TYPES, NORMALISATIONS
+from delft.losses.registry import CE, GLOBAL, LOSS_TYPES, NORMALISATIONS
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
+from delft.numbers.formats import NumberForm
 from delft.recipe.model_section import MUTATING_INITS, LoraConfig, ModelConfig, QuantizationConfig, resolve_quantization
 from delft.recipe.section import Section
 from delft.recipe.train_section import EIGHT_BIT_OPTIMIZERS, GrpoConfig, TrainConfig
@@ -148,8 +149,8 @@ class NumbersConfig(Section):
         "too, in training, eval and held-out accuracy alike).")
 
     def active(self) -> bool:
-        """Whether any number is written other than naturally."""
-        return self.order != "natural" or self.count_prefix
+        """Whether any number is written other than naturally (delft.numbers.formats.NumberForm's rule)."""
+        return NumberForm.of(self).active
 
 
 class DataConfig(Section):
@@ -208,13 +209,23 @@ class DataConfig(Section):
         return FORMAT_SEPARATORS[self.format]
 
 
+def _names(rule, joiner: str = ", ") -> str:
+    """The loss types a rule holds for, from the loss table, for the descriptions below."""
+    return joiner.join(t.name for t in LOSS_TYPES.values() if rule(t))
+
+
 class LossConfig(Section):
+    # Read from the loss table, so a type that is not CE + a digit term (dft weighs CE itself) is not described
+    # as one: docs/recipe_keys.md is generated from these descriptions.
     type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
-        "del", description="The digit term added to CE: "
+        "del", description=f"The loss: CE + weight x a digit term ({_names(lambda t: t.has_term)}), a weighting of "
+        f"CE in its place with no digit term ({_names(lambda t: t.replaces_ce)}), or CE alone ({CE}). "
         + "; ".join(f"{t.name}: {t.summary}" for t in LOSS_TYPES.values()))
     weight: Optional[float] = Field(
-        None, ge=0, description="lambda in CE + lambda * term; default per type ("
-        + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + ").")
+        None, ge=0, description="lambda in CE + lambda * term, for the types with a digit term; default per type ("
+        + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + "). "
+        f"No term to weigh in {_names(lambda t: not t.has_term, ' or ')} ({_names(lambda t: t.replaces_ce)} "
+        "refuses a weight).")
     tau: float = Field(1.0, gt=0, description="dist2 only: width of the soft target exp(-(k-y)^2/tau).")
     normalisation: Literal[NORMALISATIONS] = Field(  # type: ignore[valid-type]
         GLOBAL, description="global: CE per label + lambda x term per digit label, both over the optimizer batch; "

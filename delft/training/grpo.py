@@ -27,11 +27,12 @@ from typing import Optional
 from delft import rundir
 from delft.data.batches import tokenize_example
 from delft.data.pipeline import load_examples
-from delft.data.prompts import read_completion, render_prompt
+from delft.data.prompts import render_prompt
 from delft.errors import UserError
 from delft.losses.registry import LOSS_TYPES
 from delft.models.loading import check_nf4_exact
 from delft.numbers.answers import parse_number
+from delft.numbers.formats import NumberForm
 from delft.numbers.rewards import digit_reward, exact_reward, read_back
 from delft.recipe.schema import Recipe
 from delft.training import distributed as dist
@@ -67,8 +68,9 @@ def reward_setup(recipe: Recipe) -> tuple[list, list[float], str]:
     if g.reward == "partial":
         funcs.append(digit_reward)
         weights.append(g.partial_alpha)
-    if recipe.data.numbers.active():  # the model answers reversed or prefixed: read back as eval does
-        funcs = [read_back(f, functools.partial(read_completion, cfg=recipe.data)) for f in funcs]
+    form = NumberForm.of(recipe.data.numbers)
+    if form.active:  # the model answers reversed or prefixed: read back as eval does
+        funcs = [read_back(f, form.read_completion) for f in funcs]
     for spec in g.reward_functions:
         funcs.append(_import_reward(spec))
         weights.append(1.0)
