@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -30,6 +31,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun
 
+from delft.children import describe_exit
 from delft.errors import UserError
 from delft.training.launch import (
     DEFAULT_START_TIMEOUT_S,
@@ -137,9 +139,31 @@ def create(params: RendezvousParameters) -> Rendezvous:
     return Rendezvous(addr, port, int(params.config["rank"]), params.max_nodes, params.run_id)
 
 
+def report_first_failure(failures: dict) -> None:
+    """When the rank that failed first left no report of its own (it crashed with a traceback, or was killed), say
+    so in the launcher's report: torchrun then stopped the other ranks (SIGTERM), and a stopped rank's own report
+    (saved, exit 143) would otherwise be all ``delft train`` shows, hiding the failure that caused it."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or not failures:
+        return
+    rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+    if Path(f"{path}.{rank}").is_file():  # it said what happened: its report is the one printed
+        return
+    code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode  # a signal's death as a shell says it
+    others = sorted(r for r in failures if r != rank)
+    stopped = f"; torchrun then stopped rank(s) {', '.join(map(str, others))}" if others else ""
+    message = (f"rank {rank} failed first ({describe_exit(first.exitcode)}) without a message delft could print (its "
+               f"output is above){stopped}. The last checkpoint is intact: run the same command again to resume.")
+    Path(f"{path}.{LAUNCH_REPORT}").write_text(json.dumps({"message": message, "exit_code": code, "output": True}))
+
+
 def main(argv: list[str]) -> None:
     rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, create)
-    torchrun(argv)
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        report_first_failure(e.failures)
+        raise
 
 
 if __name__ == "__main__":

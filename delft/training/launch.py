@@ -145,7 +145,7 @@ def _end(tmp: Path, returncode: int, stderr: str, forwarded: Optional[int]) -> N
     ranks = sorted((f for f in tmp.glob("error.*") if f.suffix[1:].isdigit()), key=lambda f: int(f.suffix[1:]))
     reports = ([launch] if launch.is_file() else []) + ranks
     if reports:
-        _raise_reported(reports[0])
+        _raise_reported(reports[0], stderr)
     if returncode != 0 and forwarded is not None:
         raise SystemExit(signals.exit_code(forwarded))
     if returncode != 0:
@@ -153,12 +153,16 @@ def _end(tmp: Path, returncode: int, stderr: str, forwarded: Optional[int]) -> N
     sys.exit(returncode)
 
 
-def _raise_reported(report: Path) -> None:
+def _raise_reported(report: Path, stderr: str) -> None:
     error = json.loads(report.read_text())
+    if error.get("output"):  # a rank that failed without a report: what it printed is all there is
+        sys.stderr.write(stderr)
     if error["exit_code"] == 2:
         raise UserError(error["message"])
     if error["exit_code"] == 1:
         raise VerificationError(error["message"])
+    if error["message"]:
+        print(f"error: {error['message']}", file=sys.stderr)
     raise SystemExit(error["exit_code"])
 
 

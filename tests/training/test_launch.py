@@ -168,6 +168,24 @@ def test_a_sigint_to_the_nproc_launcher_alone_stops_the_run_with_a_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_a_rank_that_dies_first_is_named_not_hidden_by_the_rank_torchrun_stopped(tmp_path, tiny_model_dir):
+    """Rank 0 killed (as the kernel kills a process for memory) mid-run under `delft train --nproc 2`: torchrun
+    stops rank 1, which saves and reports a stop; the launcher names rank 0's death and exits as a shell reports
+    SIGKILL (137), instead of showing only rank 1's stop (143) and hiding the failure that caused it."""
+    from delft.rundir import checkpoints
+
+    train = {"max_steps": 60, "save_steps": 2, "eval_steps": 100, "logging_steps": 1}
+    recipe = recipe_file(tmp_path, tiny_model_dir, name="killed", train=train)
+    proc = start([sys.executable, "-m", "delft", "train", str(recipe), "--nproc", "2"])
+    wait_for(lambda: len(checkpoints(tmp_path / "killed")) > 0, proc, "a checkpoint")
+    os.kill(rank_pids(proc.pid)[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode == 137, out[-3000:]
+    assert "rank 0 failed first (killed by SIGKILL" in " ".join(out.split()), out[-3000:]
+    assert "run the same command again to resume" in out and checkpoints(tmp_path / "killed")
+
+
+@pytest.mark.slow
 def test_a_single_node_run_listens_on_loopback_only(tmp_path, tiny_model_dir):
     """`delft train --nproc 2`: the rendezvous store (and gloo) of every process of the run listen on loopback,
     never on every interface (0.0.0.0, ::) as torchrun's own store does."""
