@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -324,3 +325,10 @@ def interrupt_on_step(monkeypatch, n: int):
 
     monkeypatch.setattr(train_mod, "optimizer_step", interrupting)
     return lambda: monkeypatch.setattr(train_mod, "optimizer_step", real)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a rendezvous the test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

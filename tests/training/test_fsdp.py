@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, adapter_weights, recipe_file, run_cli
+from helpers import REPO, adapter_weights, free_port, recipe_file, run_cli
 from test_distributed import LOGGED, finished, start, torchrun, wait_for
 
 # Two ranks sum their gradient shards in another order than one process accumulates them, and AdamW's first steps
@@ -147,14 +147,6 @@ def test_a_killed_rank_then_resume_at_two_and_at_one_rank_equals_the_uninterrupt
                           "--set", "train.grad_accum=2"]))  # the same global batch on one rank
     assert "Resuming" in out and "instead of 2" in out
     assert_same_weights(model_weights(tmp_path / "alone"), straight)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

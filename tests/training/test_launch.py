@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import recipe_file, run_cli
+from helpers import free_port, recipe_file, run_cli
 from test_distributed import LOGGED, finished, start, wait_for
 
 
@@ -76,12 +76,6 @@ def listening(pids: list[int]) -> list[tuple[str, int, int]]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SHARDED = {"finetuning": "full", "distributed": "fsdp", "max_steps": 40, "save_steps": 4, "eval_steps": 100,

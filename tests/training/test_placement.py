@@ -4,13 +4,12 @@ on any rank (every rank used to gather them, only for rank 0 to throw them away)
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import recipe_file
+from helpers import free_port, recipe_file
 
 from delft.recipe.files import load_recipe
 from delft.training import placement
@@ -46,12 +45,6 @@ def test_the_recipe_chooses_the_placement(tmp_path, tiny_model_dir):
     fsdp = load_recipe(recipe_file(tmp_path, tiny_model_dir, name="fsdp", train={"distributed": "fsdp"}))
     assert placement.chosen(ddp) is placement.WholeWeights and not placement.WholeWeights.sharded
     assert placement.chosen(fsdp) is placement.Sharded and placement.Sharded.sharded
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
