@@ -376,7 +376,8 @@ def study(
 
     if report:
         given = [flag for flag, on in (("--plan", plan), ("--train-only", train_only), ("--force", force),
-                                       ("--nproc", nproc is not None), ("--data-dir", data_dir is not None)) if on]
+                                       ("--nproc", nproc is not None), ("--data-dir", data_dir is not None),
+                                       ("--allow-seen", allow_seen)) if on]
         if given:
             raise UserError(f"--report trains and evaluates nothing, so {', '.join(given)} has nothing to act on",
                             "delft study --report", "Drop " + ", ".join(given) + ", or run without --report.")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from delft.integrations.hf import DigitLossMixin
 from delft.losses.misuse import callers_words
-from delft.losses.registry import LOSS_TYPES
+from delft.losses.registry import LOSS_KINDS, LOSS_TYPES
 from delft.recipe.schema import LossConfig, NumbersConfig
 
 _TYPE_PARAMS = {p for t in LOSS_TYPES.values() for p in t.params}  # options only some types take (dist2's tau)
@@ -33,7 +33,7 @@ class DigitLossConfig(LossConfig):
     """delft's ``loss:`` keys; the type defaults to del_prob, as DigitLossMixin's does."""
 
     type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
-        "del_prob", description="The digit term added to CE: " + ", ".join(LOSS_TYPES) + " (docs/losses.md).")
+        "del_prob", description=f"The loss: {LOSS_KINDS} (docs/losses.md).")
     numbers: Optional[NumbersConfig] = Field(
         None, description="The form the data writes numbers in (order, count_prefix, as data.numbers), so each digit "
         "is read at its true place (docs/number_formats.md).")

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from delft.errors import UserError
-from delft.losses.registry import LOSS_TYPES
+from delft.losses.registry import LOSS_KINDS, LOSS_TYPES
 from delft.outputs import write_atomic
 from delft.recipe.schema import LossConfig, NumbersConfig, describe_error
 
@@ -175,7 +175,7 @@ class DigitLossFields:
     reads them: any other trainer built with such a config is refused (``get_process_log_level``, which
     transformers' ``Trainer.__init__`` calls on its args first), since it would train without the digit loss."""
 
-    digit_loss_type: str = _field("type", "delft's digit term added to CE (docs/losses.md); 'ce': CE alone.",
+    digit_loss_type: str = _field("type", f"delft's loss: {LOSS_KINDS} (docs/losses.md).",
                                   choices=list(LOSS_TYPES))
     digit_loss_weight: Optional[float] = _field("weight", "lambda in CE + lambda x the digit term (>= 0); unset: "
                                                 "the type's default.")

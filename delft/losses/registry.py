@@ -49,6 +49,17 @@ LOSS_TYPES: dict[str, LossType] = {t.name: t for t in (
 )}
 
 
+def type_names(rule, joiner: str = ", ") -> str:
+    """The loss types ``rule`` holds for, from the table."""
+    return joiner.join(t.name for t in LOSS_TYPES.values() if rule(t))
+
+
+# What loss.type chooses, said from the table (a type that is not CE + a digit term, dft, is not described as one):
+# the recipe schema, the TRL config fields and axolotl's plugin describe the key with it.
+LOSS_KINDS = (f"CE + weight x a digit term ({type_names(lambda t: t.has_term)}), a weighting of CE in its place "
+              f"with no digit term ({type_names(lambda t: t.replaces_ce)}), or CE alone ({CE})")
+
+
 # loss.normalisation: 'global' = CE per label and term per digit label of the whole optimizer batch (delft);
 # 'reference' = the DEL reference under HF Trainer: term a mean per micro-batch, x accumulation steps x GPUs.
 GLOBAL, REFERENCE = "global", "reference"

@@ -23,7 +23,7 @@ from delft.data.number_tasks import MAX_PER_BIN as NUPA_MAX_PER_BIN
 from delft.data.number_tasks import TASKS as NUPA_TASKS
 from delft.data.number_tasks import bins_text, drawn_counts, short_bins
 from delft.errors import UserError
-from delft.losses.registry import CE, GLOBAL, LOSS_TYPES, NORMALISATIONS
+from delft.losses.registry import GLOBAL, LOSS_KINDS, LOSS_TYPES, NORMALISATIONS, type_names
 from delft.numbers.digits import DEFAULT_PLACE_WEIGHT_CAP, PLACE_WEIGHTS
 from delft.numbers.formats import NumberForm
 from delft.recipe.model_section import MUTATING_INITS, LoraConfig, ModelConfig, QuantizationConfig, resolve_quantization
@@ -209,22 +209,15 @@ class DataConfig(Section):
         return FORMAT_SEPARATORS[self.format]
 
 
-def _names(rule, joiner: str = ", ") -> str:
-    """The loss types a rule holds for, from the loss table, for the descriptions below."""
-    return joiner.join(t.name for t in LOSS_TYPES.values() if rule(t))
-
-
 class LossConfig(Section):
-    # Read from the loss table, so a type that is not CE + a digit term (dft weighs CE itself) is not described
-    # as one: docs/recipe_keys.md is generated from these descriptions.
+    # Read from the loss table (docs/recipe_keys.md is generated from these descriptions).
     type: Literal[tuple(LOSS_TYPES)] = Field(  # type: ignore[valid-type]
-        "del", description=f"The loss: CE + weight x a digit term ({_names(lambda t: t.has_term)}), a weighting of "
-        f"CE in its place with no digit term ({_names(lambda t: t.replaces_ce)}), or CE alone ({CE}). "
+        "del", description=f"The loss: {LOSS_KINDS}. "
         + "; ".join(f"{t.name}: {t.summary}" for t in LOSS_TYPES.values()))
     weight: Optional[float] = Field(
         None, ge=0, description="lambda in CE + lambda * term, for the types with a digit term; default per type ("
         + ", ".join(f"{t.name} {t.default_weight:g}" for t in LOSS_TYPES.values() if t.has_term) + "). "
-        f"No term to weigh in {_names(lambda t: not t.has_term, ' or ')} ({_names(lambda t: t.replaces_ce)} "
+        f"No term to weigh in {type_names(lambda t: not t.has_term, ' or ')} ({type_names(lambda t: t.replaces_ce)} "
         "refuses a weight).")
     tau: float = Field(1.0, gt=0, description="dist2 only: width of the soft target exp(-(k-y)^2/tau).")
     normalisation: Literal[NORMALISATIONS] = Field(  # type: ignore[valid-type]

@@ -123,6 +123,8 @@ def test_the_report_is_refused_without_a_study_json_or_beside_training(stored, t
     (tmp_path / "out" / "study.json").unlink()
     refused(run_cli("study", stored, "--report"), "study.json", "is not there", "Run the study to the end first")
     refused(run_cli("study", stored, "--report", "--plan"), "--report trains and evaluates nothing", "--plan")
+    refused(run_cli("study", stored, "--report", "--allow-seen"), "--report trains and evaluates nothing",
+            "--allow-seen")
     refused(run_cli("study", stored, "--report", "--set", "train.max_steps=5"), "recipe keys",
             "train.max_steps=5")
 
