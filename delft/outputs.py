@@ -181,6 +181,18 @@ def tables_console():
     return Console(file=io.StringIO(), record=True, width=150, force_terminal=False, color_system=None)
 
 
+def plain_table(header, rows, title: Optional[str] = None):
+    """A rich table of ``header`` and ``rows`` (strings), for the terminal and tables.txt alike."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write a file whole or not at all."""
     with staged(path) as tmp:

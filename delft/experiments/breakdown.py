@@ -17,13 +17,11 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Optional
 
-from rich.table import Table
-
 from delft.evaluation.contamination import problem_mix
 from delft.evaluation.metrics import DIGIT_ACCURACY, EXACT_MATCH, LOG_MAE, TOLERANCE_MATCH, place_order, summarize
 from delft.numbers.answers import Extraction, Scored
 from delft.numbers.digits import digits_by_place, place_name
-from delft.outputs import num, pct
+from delft.outputs import num, pct, plain_table
 
 BREAKDOWN_HEADING = "delft study, by group (descriptive)"  # starts the block in tables.txt (a rewrite replaces it)
 ENDPOINTS = (EXACT_MATCH, TOLERANCE_MATCH, LOG_MAE, DIGIT_ACCURACY)
@@ -188,10 +186,5 @@ def breakdown_renderables(rows: Optional[list[dict]]) -> list:
     out: list = [f"{BREAKDOWN_HEADING}: recipe means over seeds by group, and each arm minus the reference"]
     for b in rows:
         for title, header, body in breakdown_tables(b):
-            table = Table(title=title)
-            for column in header:
-                table.add_column(column)
-            for r in body:
-                table.add_row(*r)
-            out.append(table)
+            out.append(plain_table(header, body, title))
     return out + [""]

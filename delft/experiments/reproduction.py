@@ -20,10 +20,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.table import Table
-
 from delft.data.columns import FORMAT_FIELDS
 from delft.errors import UserError
+from delft.outputs import plain_table
 from delft.recipe.files import read_yaml
 from delft.recipe.keys import flat_keys
 from delft.recipe.model_section import resolve_quantization
@@ -345,11 +344,5 @@ def reproduction_renderables(rep: Optional[dict]) -> list:
         return []
     out: list = [f"{REPRODUCTION_HEADING}: {rep['pilot']}", *(line.replace("**", "") for line in _intro(rep))]
     if rep["runs"]:
-        header, rows = reproduction_table(rep)
-        table = Table()
-        for column in header:
-            table.add_column(column)
-        for r in rows:
-            table.add_row(*r)
-        out.append(table)
+        out.append(plain_table(*reproduction_table(rep)))
     return out + [""]
