@@ -244,9 +244,9 @@ def test_numeric_completions_train(tmp_path, tiny_model_dir):
 def test_a_study_data_file_that_is_a_device_is_named_for_what_it_is(tmp_path):
     """delft study checks its data files before training any arm: a device there said "does not exist"."""
     from delft.errors import UserError
-    from delft.experiments.study import _data_file
+    from delft.experiments.study_file import data_file
 
     (tmp_path / "gsm8k_test.jsonl").symlink_to("/dev/zero")
     with pytest.raises(UserError) as e:
-        _data_file("gsm8k_test.jsonl", tmp_path, "evals.held_out.source")
+        data_file("gsm8k_test.jsonl", tmp_path, "evals.held_out.source")
     assert "evals.held_out.source" in str(e.value) and "is a character device" in str(e.value)

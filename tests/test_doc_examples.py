@@ -25,7 +25,7 @@ import yaml
 from doc_blocks import (BLOCKS, DOC_ALIAS, DOC_MODEL, MAKES, OUTPUT, PYTHON, PYTHON_AFTER_SHELL, REPO, SHELL, YAML,
                         check_report, failed, for_the_tiny_model, run_python_block, user_env)
 
-from delft.experiments.study import StudyConfig, load_study
+from delft.experiments.study_file import StudyConfig, load_study
 from delft.recipe.files import load_recipe
 from delft.recipe.schema import Recipe
 

@@ -9,7 +9,8 @@ from helpers import DATA, REPO, run_cli, write_arms, write_yaml
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.experiments.study import _contenders, eval_data, load_study, run_study
+from delft.experiments.study import _contenders, run_study
+from delft.experiments.study_file import eval_data, load_study
 from delft.recipe.files import load_recipe
 
 STUDIES = sorted((REPO / "recipes" / "study").glob("*.study.yaml"))
@@ -313,7 +314,7 @@ def test_unknown_study_key_is_named(tmp_path, tiny_study):
 
 
 def test_data_files_are_looked_up_in_data_dir_and_hub_ids_pass_through(tmp_path):
-    from delft.experiments.study import _data_file
+    from delft.experiments.study_file import data_file as _data_file
 
     (tmp_path / "rows.jsonl").write_text("{}\n")
     assert _data_file("rows.jsonl", tmp_path, "evals.x.source") == str(tmp_path / "rows.jsonl")

@@ -13,7 +13,8 @@ from delft.data.pipeline import load_examples
 from delft.data.sources import normalised_prompt
 from delft.errors import UserError
 from delft.experiments.compare import run_compare
-from delft.experiments.study import _contenders, eval_data, load_sets, load_study, run_study
+from delft.experiments.study import _contenders, load_sets, run_study
+from delft.experiments.study_file import eval_data, load_study
 from delft.recipe.files import load_recipe
 
 SCRATCH = REPO / "recipes" / "study" / "scratch.study.yaml"

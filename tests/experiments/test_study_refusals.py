@@ -11,7 +11,7 @@ import pytest
 from helpers import run_cli, write_arms, write_yaml
 
 from delft.errors import UserError
-from delft.experiments.study import eval_data, load_study
+from delft.experiments.study_file import eval_data, load_study
 from delft.recipe.files import load_recipe
 
 
@@ -109,3 +109,17 @@ def test_study_errors_name_delft_study_and_its_own_keys(tmp_path, arms):
     assert "ce-seed0 exists and is not a delft run" in out and "delft study" in out, out
     assert "compare" not in out, out
     assert (tmp_path / "runs" / "ce-seed0" / "notes.txt").read_text() == "mine"
+
+
+def test_a_set_override_naming_a_set_the_study_lacks_is_one_paragraph():
+    """--set evals.NAME.KEY on a NAME the file does not have would add a set of that one key (a synthetic set
+    beside file-trained recipes, which crashed in validation): recipe check and study --plan refuse it by name."""
+    from helpers import REPO
+
+    worked = str(REPO / "recipes" / "study" / "worked.study.yaml")
+    for args in (("recipe", "check", worked), ("study", worked, "--plan")):
+        out = run_cli(*args, "--set", "evals.held_out.limit=16")
+        assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+        said = " ".join(out.output.split())
+        assert "names the eval set 'held_out'" in said and "its sets: gsm8k_gold, gsm8k, svamp" in said, said
+    assert load_study(worked, ["evals.gsm8k.limit=16"]).evals["gsm8k"].limit == 16  # a set it has still changes
