@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
-from helpers import REPO, run_cli, write_yaml
+from helpers import REPO, recipe_file, run_cli, write_yaml
 
 from delft.errors import UserError
 from delft.export.gguf import prepare_gguf
@@ -92,3 +93,13 @@ def test_delft_chooses_the_threads_for_the_machines_load_and_a_setting_overrides
 def test_a_bad_thread_setting_is_refused():
     with pytest.raises(UserError, match="DELFT_THREADS='many'"):
         thread_choice(0.0, 2, 2, {"DELFT_THREADS": "many"})
+
+
+def test_the_run_says_the_threads_it_trains_with(tmp_path, tiny_model_dir):
+    """The model line names the thread count torch runs (what delft chose, or DELFT_THREADS), so a log shows it."""
+    recipe = recipe_file(tmp_path, tiny_model_dir, train={"max_steps": 1})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "delft", "train", str(recipe)], capture_output=True, text=True,
+                         env={**env, "DELFT_THREADS": "1"}, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "device cpu (1 thread), dtype float32" in " ".join(out.stdout.split()), out.stdout[-2000:]

@@ -145,7 +145,9 @@ def describe(s: Setup, model, dtype, console: Console) -> None:
     r = s.recipe
     how = ("full fine-tuning" if r.train.finetuning == "full" else
            f"LoRA continued from {r.model.adapter}" if r.model.adapter else f"LoRA r={r.lora.r}")
-    console.print(f"  device {s.device}, dtype {str(dtype).replace('torch.', '')}, quantization {s.quantization} "
+    threads = torch.get_num_threads()  # as precheck chose it (delft.training.precheck.thread_choice)
+    where = f"cpu ({threads} thread{'s' if threads > 1 else ''})" if s.device == "cpu" else s.device
+    console.print(f"  device {where}, dtype {str(dtype).replace('torch.', '')}, quantization {s.quantization} "
                   f"{chosen}, {how}: {trainable:,} trainable of {total:,} parameters")
     console.print(f"[bold]data[/] {st.examples} examples -> {st.train} train / {st.val} validation; "
                   f"{st.label_tokens:,} trainable labels, {st.digit_labels:,} digit labels "
