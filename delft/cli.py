@@ -475,7 +475,7 @@ def _check_recipe(cfg, path: Path, data_dir: Optional[Path]) -> None:
 def _check_study(path: Path, data_dir: Optional[Path], overrides: List[str]) -> None:
     """A study file, its recipes (each as recipe check checks one, compared as delft study compares them) and its
     eval sets; data files that are not here are named, and pass only where no --data-dir was given."""
-    from delft.experiments.arms import resolve_contenders
+    from delft.experiments.contenders import resolve_contenders
     from delft.experiments.study_file import eval_data, load_study, split_overrides
 
     own, overrides = split_overrides(overrides)  # --set seeds=... reaches the study file, train.* its recipes

@@ -32,6 +32,7 @@ def test_the_measure_sees_an_import():
 
 @pytest.mark.parametrize("args,code,said", [
     (("recipe", "check", QUICKSTART), 0, "valid"),
+    (("recipe", "check", str(REPO / "recipes" / "study" / "lora_powered.study.yaml")), 0, "valid study file"),
     (("train", "missing.yaml"), 2, "recipe file missing.yaml does not exist"),
     (("train", QUICKSTART, "--set", "train.distributed=fsdp", "--set", "lora.init=pissa", "--set",
       "quantization.mode=none"), 2, "lora.init pissa changes the base weights"),

@@ -32,14 +32,8 @@ from delft.errors import UserError
 from delft.evaluation.contamination import refuse_seen_before_training
 from delft.evaluation.report import write_plot
 from delft.evaluation.runs import check_runs, resolve_settings
-from delft.experiments.arms import (
-    Contender,
-    check_seeds,
-    check_unsharded,
-    reference_name,
-    resolve_contenders,
-    train_all,
-)
+from delft.experiments.arms import train_all
+from delft.experiments.contenders import Contender, check_seeds, check_unsharded, reference_name, resolve_contenders
 from delft.experiments.results import check_results_out, earlier_results, evaluate_set, json_ready, markdown_summary
 from delft.experiments.totals import planned_runs, show_runs, totals_line
 from delft.outputs import check_output_dir, result_set, tables_console, write_result

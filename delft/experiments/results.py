@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 from rich.console import Console
 
 from delft.errors import UserError
+from delft.evaluation.contamination import counted, generated_exclusion, score_unseen, seen_lines
 from delft.evaluation.metrics import (
     COLUMNS,
     EXACT_MATCH,
@@ -28,12 +29,11 @@ from delft.evaluation.metrics import (
     place_order,
     summarize,
 )
-from delft.evaluation.contamination import counted, generated_exclusion, score_unseen, seen_lines
 from delft.evaluation.model_scores import evaluate_models
 from delft.evaluation.problems import BOOTSTRAP_SEED, describe_source, load_problems, settings_block
 from delft.evaluation.report import predictions, render_table
 from delft.evaluation.results import ModelResult
-from delft.experiments.arms import Contender, reference_name
+from delft.experiments.contenders import Contender, reference_name
 from delft.numbers.answers import canonical
 from delft.numbers.digits import place_name
 from delft.outputs import check_output_dir, num, pct

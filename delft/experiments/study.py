@@ -50,7 +50,8 @@ from delft.evaluation.teacher_forced import (
     teacher_differences,
     write_teacher_plot,
 )
-from delft.experiments.arms import check_unsharded, reference_name, resolve_contenders, train_all
+from delft.experiments.arms import train_all
+from delft.experiments.contenders import check_unsharded, reference_name, resolve_contenders
 from delft.experiments.curves import check_curve, snapshot_override, study_curves
 from delft.experiments.power import (
     PLAN_COLUMNS,

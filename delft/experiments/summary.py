@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 from delft.data.sources import normalised_prompt
+from delft.errors import UserError
 from delft.evaluation.contamination import mix_line, training_prompts
 from delft.evaluation.metrics import PAIRED
-from delft.errors import UserError
 from delft.evaluation.teacher_forced import ARGMAX_ACCURACY
 from delft.experiments.breakdown import BREAKDOWN_HEADING, breakdown, breakdown_lines
 from delft.experiments.curves import curve_lines

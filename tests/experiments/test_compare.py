@@ -7,8 +7,8 @@ from helpers import REPO, run_cli, write_arms, write_yaml
 from rich.console import Console
 
 from delft.errors import UserError
-from delft.experiments.arms import resolve_contenders
 from delft.experiments.compare import run_compare
+from delft.experiments.contenders import resolve_contenders
 from delft.recipe.keys import flat_keys
 
 COMPARE = REPO / "recipes" / "compare"
