@@ -419,8 +419,7 @@ def number_form_comment(numbers) -> list[str]:
         return []
     asked = "write the numbers of your prompts the same way" if form.writes_prompts else "prompt with plain numbers"
     read = (f"from delft.numbers.formats import read_numbers, read_last_number; "
-            f"read_{'last_number' if numbers.scope == 'answer' else 'numbers'}(answer, {numbers.order!r}, "
-            f"{numbers.count_prefix})")
+            f"{form.reader.__name__}(answer, {numbers.order!r}, {numbers.count_prefix})")
     return [f"# This model writes numbers as {form.describe('{n:...} count prefixes')} (data.numbers scope "
             f"{numbers.scope}): {asked}, and read",
             f"# its answers back with: {read}"]

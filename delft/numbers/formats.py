@@ -281,6 +281,11 @@ class NumberForm:
         """Whether the prompts' numbers are written in the form too (scope everything)."""
         return self.active and self.scope == "everything"
 
+    @property
+    def reader(self) -> Callable[[str, str, bool], str]:
+        """What reads a completion back: with scope answer its last number only, else every number."""
+        return read_last_number if self.scope == "answer" else read_numbers
+
     def write_completion(self, text: str) -> str:
         """A completion with its numbers in the form (all of them, or with scope answer its last)."""
         if not self.active:
@@ -293,8 +298,7 @@ class NumberForm:
         strings: with scope answer only the last number is read back, which must be the answer's."""
         if not self.active:
             return text
-        read = read_last_number if self.scope == "answer" else read_numbers
-        return read(ascii_digits(text), self.order, self.count_prefix)
+        return self.reader(ascii_digits(text), self.order, self.count_prefix)
 
     def write_question(self, text: str) -> str:
         """A question's text with its numbers written as the model saw its prompts (only with scope everything)."""

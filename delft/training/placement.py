@@ -132,7 +132,7 @@ class Sharded:
         return self.root
 
     def describe(self) -> str:
-        return sharding.describe(self.root)
+        return f"sharded by FSDP2, 1/{dist.world_size()} of the weights on each "
 
     def reduce_gradients(self, params: list) -> None:
         """Nothing: FSDP reduce-scatters the gradients in every backward."""
@@ -143,8 +143,14 @@ class Sharded:
     def from_main(self, decided: bool) -> bool:
         return bool(dist.all_reduce_floats([float(decided and dist.is_main())])[0])
 
+    @contextlib.contextmanager
     def gathered(self):
-        return sharding.Gathered(self.root)
+        """The weights gathered for a call outside the root's forward (every rank enters it together)."""
+        self.root.unshard()
+        try:
+            yield
+        finally:
+            self.root.reshard()
 
     def save_pretrained(self, model, path: Optional[Path], initial_adapter: Optional[Path]) -> None:
         """Gathered onto rank 0, which writes ``path``; the others pass None and only help gather (a collective).

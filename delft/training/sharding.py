@@ -95,28 +95,6 @@ def shard(model: nn.Module, loss, recipe, device: str) -> LossStep:
     return root
 
 
-def describe(root: Optional[LossStep]) -> str:
-    """'sharded by FSDP2, 1/N of the weights on each ' for the training line; '' unsharded."""
-    return f"sharded by FSDP2, 1/{dist.world_size()} of the weights on each " if root is not None else ""
-
-
-class Gathered:
-    """The weights gathered for rank 0's use: ``with Gathered(root):`` around generation or a save that calls the
-    model outside the root's forward (every rank must enter it together)."""
-
-    def __init__(self, root: Optional[LossStep]):
-        self.root = root
-
-    def __enter__(self):
-        if self.root is not None:
-            self.root.unshard()
-        return self
-
-    def __exit__(self, *exc):
-        if self.root is not None:
-            self.root.reshard()
-
-
 def full_state_dict(root: LossStep) -> dict:
     """The whole model's state dict on rank 0, on the CPU, named as the unsharded model names it ({} elsewhere).
     A collective: every rank calls it."""
