@@ -14,7 +14,8 @@ two. The first RULES row whose pattern the printed command matches says what is 
 - PARSE: a line this machine cannot run (several machines, GPUs, llama.cpp on a tokenizer it does not implement,
   the test suite itself) says why, and is checked as far as it can be here (test_commands_not_run_here_parse): the
   launcher's own parser and delft's accept every option, and a recipe it names passes `delft recipe check`.
-A command no rule matches fails test_every_command_has_a_rule: nothing is skipped silently.
+A command no rule matches fails test_every_command_has_a_rule: nothing is skipped silently. The `delft` lines of
+indented (unfenced) code, the README's overview, are checked as PARSE lines are (test_indented_commands_parse).
 
 The commands run as the slow test test_page_runs_as_printed, one page at a time. The studies page trains 8 compare
 runs and a 10-run study of 2 steps each (SUBSTITUTIONS), and study_lora_powered.md an 8-run study: these two are
@@ -36,8 +37,8 @@ from pathlib import Path
 import pytest
 import typer.main
 from accelerate.commands.launch import launch_command_parser
-from doc_blocks import (BLOCKS, PYTHON, PYTHON_AFTER_SHELL, REPO, SHELL, YAML, Block, check_report, failed,
-                        run_python_block, user_env)
+from doc_blocks import (BLOCKS, INDENTED, PYTHON, PYTHON_AFTER_SHELL, REPO, SHELL, YAML, Block, check_report,
+                        failed, run_python_block, user_env)
 from torch.distributed.run import get_args_parser
 
 from delft.cli import app
@@ -356,3 +357,14 @@ def test_commands_not_run_here_parse(command, parse_dir, tiny_model_dir):
                               cwd=REPO, env={**user_env(), **env}, capture_output=True, text=True, check=False,
                               timeout=300)
         assert proc.returncode == 0, said(proc, command.text)
+
+
+@pytest.mark.parametrize("command", [Command(*row) for row in INDENTED], ids=lambda c: c.id)
+def test_indented_commands_parse(command, parse_dir, tiny_model_dir):
+    check_delft_line(words(command, tiny_model_dir, parse_dir)[1:], parse_dir)
+
+
+def test_indented_commands_are_found():
+    """The README's overview is read (an extractor that found nothing would pass the test above vacuously)."""
+    found = {text.split()[1] for page, _, text in INDENTED if page == "README.md"}
+    assert {"train", "eval", "inspect", "export", "compare", "study"} <= found, found
