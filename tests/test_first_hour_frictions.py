@@ -103,3 +103,26 @@ def test_the_run_says_the_threads_it_trains_with(tmp_path, tiny_model_dir):
                          env={**env, "DELFT_THREADS": "1"}, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "device cpu (1 thread), dtype float32" in " ".join(out.stdout.split()), out.stdout[-2000:]
+
+
+STUDY_OF_RUNS = """
+import os, torch
+from rich.console import Console
+from delft.training import precheck
+torch.set_num_threads(3)  # torch's own count in this process
+seen = []
+for load in (1000.0, 0.0, 1000.0, 0.0):  # a busy start, then a free one: the runs of one study, in one process
+    os.getloadavg = lambda load=load: (load, load, load)
+    precheck.note_busy_machine("cpu", Console(quiet=True))
+    seen.append(torch.get_num_threads())
+print(seen)
+"""
+
+
+def test_a_busy_start_does_not_leave_later_runs_of_the_process_on_one_thread():
+    """A study trains its runs in one process: a run that starts while the machine is busy takes one thread, and the
+    next run on a free machine takes torch's own count again (it once kept the one thread for the rest)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "DELFT_THREADS")}
+    out = subprocess.run([sys.executable, "-c", STUDY_OF_RUNS], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[1, 3, 1, 3]", out.stdout

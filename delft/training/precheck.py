@@ -11,6 +11,7 @@ the cores, and one thread a process is then often many times faster.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional
@@ -111,8 +112,19 @@ def thread_choice(load: float, cores: int, threads: int, env: dict) -> tuple[Opt
                "OMP_NUM_THREADS=N chooses instead; see docs/performance.md")
 
 
+@functools.cache
+def torch_threads() -> int:
+    """torch's own thread count, read once a process, before delft first sets it. A study trains run after run in
+    one process: each run chooses from this, not from what the last run set, so one start on a busy machine does not
+    leave every later run on one thread."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def note_busy_machine(device_pref: str, console) -> None:
-    """On the CPU, set torch's thread count as ``thread_choice`` says and print why (nothing on a GPU run)."""
+    """On the CPU, set torch's thread count as ``thread_choice`` says (torch's own where it keeps it) and print why
+    (nothing on a GPU run)."""
     import torch
 
     if resolve_device(device_pref) != "cpu":
@@ -121,8 +133,7 @@ def note_busy_machine(device_pref: str, console) -> None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     except OSError:  # no load average on this system
         load = 0.0
-    threads, note = thread_choice(load, os.cpu_count() or 1, torch.get_num_threads(), dict(os.environ))
-    if threads is not None:
-        torch.set_num_threads(threads)
+    threads, note = thread_choice(load, os.cpu_count() or 1, torch_threads(), dict(os.environ))
+    torch.set_num_threads(threads or torch_threads())
     if note:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
