@@ -126,3 +126,29 @@ def test_a_busy_start_does_not_leave_later_runs_of_the_process_on_one_thread():
     out = subprocess.run([sys.executable, "-c", STUDY_OF_RUNS], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[1, 3, 1, 3]", out.stdout
+
+
+OWN_LOAD = """
+import os, time, torch
+from rich.console import Console
+from delft.training import precheck
+torch.set_num_threads(2)
+cores = os.cpu_count()
+os.getloadavg = lambda: (cores + 0.2,) * 3  # the load this process's own busy threads make, as the kernel counts it
+precheck.note_busy_machine("cpu", Console(quiet=True))  # the first run: nothing of this process's own counted yet
+first = torch.get_num_threads()
+end = time.process_time() + 1.0
+while time.process_time() < end:  # the first run's training: this process kept a core busy
+    pass
+precheck.note_busy_machine("cpu", Console(quiet=True))
+print(first, torch.get_num_threads())
+"""
+
+
+def test_a_studys_next_run_does_not_count_its_own_last_run_as_load():
+    """The load average counts this process's own threads: the next run of a study subtracts what its runs kept busy
+    since the last choice, so a load just above the cores that is its own leaves torch's own thread count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "DELFT_THREADS")}
+    out = subprocess.run([sys.executable, "-c", OWN_LOAD], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "1 2", out.stdout

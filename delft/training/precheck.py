@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -122,6 +123,23 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+# (monotonic seconds, this process's CPU seconds) when it last chose its threads: what its own runs since then added
+# to the load average (a study trains run after run in one process)
+_LAST_CHOICE: list[tuple[float, float]] = []
+
+
+def load_of_others(load: float) -> float:
+    """The 1-minute load average less this process's own share: the cores its threads kept busy on average since it
+    last chose (0 at its first choice). Without this a study's run counted the run before it as someone else's work
+    and took one thread on a machine nothing else used."""
+    now, cpu = time.monotonic(), time.process_time()  # process_time: every thread of this process
+    own = 0.0
+    if _LAST_CHOICE and now > _LAST_CHOICE[0][0]:
+        own = (cpu - _LAST_CHOICE[0][1]) / (now - _LAST_CHOICE[0][0])
+    _LAST_CHOICE[:] = [(now, cpu)]
+    return max(0.0, load - own)
+
+
 def note_busy_machine(device_pref: str, console) -> None:
     """On the CPU, set torch's thread count as ``thread_choice`` says (torch's own where it keeps it) and print why
     (nothing on a GPU run)."""
@@ -133,6 +151,7 @@ def note_busy_machine(device_pref: str, console) -> None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     except OSError:  # no load average on this system
         load = 0.0
+    load = load_of_others(load)
     threads, note = thread_choice(load, os.cpu_count() or 1, torch_threads(), dict(os.environ))
     torch.set_num_threads(threads or torch_threads())
     if note:
