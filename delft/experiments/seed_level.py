@@ -330,9 +330,13 @@ def verdict_lines(v: Optional[dict]) -> list[str]:
                          f"{UNIT_FORMATS[m.get('unit', 'points')](m['difference'])} points, p {_p(m['p'])} (alone, "
                          f"not in Holm's family): **{MOVES[m['moved']] if m['moved'] != 'down' else 'moved down'}**, "
                          f"{sensitive}.")
-    if not v["controls"]:
-        lines[-2] += (" This study declares no control: an 'equivalent' rests on the interval alone, and nothing "
-                      "shows that the design could have seen an effect.")
+    calibrated = any(m["moved"] == "down" for moves in (v.get("calibrators") or {}).values() for m in moves)
+    if not v["controls"] and calibrated:  # said in the rules paragraph (lines[2]), before the verdicts
+        lines[2] += (" This study declares no positive control: the calibrator that moved down is what shows the "
+                     "design could see an effect, a cost of its size; an 'equivalent' rests on its interval.")
+    elif not v["controls"]:
+        lines[2] += (" This study declares no control: an 'equivalent' rests on the interval alone, and nothing "
+                     "shows that the design could have seen an effect.")
     for control, moves in v["controls"].items():
         for m in moves:
             holm_p = "-" if m["holm_p"] is None else f"{m['holm_p']:.3g}"

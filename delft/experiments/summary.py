@@ -29,6 +29,7 @@ from delft.experiments.seed_level import (
     verdict_lines,
 )
 from delft.experiments.transitions import transition_lines
+from delft.losses.registry import LOSS_TYPES
 from delft.outputs import pct, result_set, write_result
 from delft.recipe.files import read_yaml
 from delft.recipe.schema import validate_recipe
@@ -136,10 +137,11 @@ def study_summary(report: dict) -> str:
               "## Losses", "", "| recipe | loss | weight | normalisation | place weights |", "|---|---|---|---|---|"]
     controls = report["settings"].get("controls") or []
     for name, loss in report["settings"]["losses"].items():
-        digit = loss["type"] != "ce"  # CE alone has no digit term to weigh or normalise
+        kind = LOSS_TYPES[loss["type"]]  # ce and dft have no digit term to weigh, normalise or weigh by place
         label = f"{name}{' (control)' if name in controls else ''}"
-        lines.append(f"| {label} | {loss['type']} | {loss['weight'] if digit else '-'} | "
-                     f"{loss['normalisation'] if digit else '-'} | {loss['place_weights'] if digit else '-'} |")
+        lines.append(f"| {label} | {loss['type']} | {loss['weight'] if kind.has_term else '-'} | "
+                     f"{loss['normalisation'] if kind.has_term else '-'} | "
+                     f"{loss['place_weights'] if kind.place_weighted else '-'} |")
     lines += ["", "## Differences from the reference", "",
               "Paired bootstrap over the same problems (95 % CI). Pooled: each problem's score averaged over the "
               "seeds first. These intervals resample problems only and leave the variation between seeds out; they "

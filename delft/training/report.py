@@ -9,6 +9,7 @@ import resource
 import sys
 from pathlib import Path
 
+from delft.losses.registry import LOSS_TYPES
 from delft.outputs import staged
 
 
@@ -32,7 +33,15 @@ def loss_axis_limits(values: list[float]) -> tuple[float, float]:
     return low, max(high * 1.15, low + 1e-3)
 
 
-def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
+def loss_stats(loss_type: str, loss: float, ce: float, term: float) -> str:
+    """The loss figures of a step or validation line: CE and the digit term beside the loss where the loss has a
+    term; the loss alone for ce and dft (dft's loss is its weighted CE), which have no term to show."""
+    if LOSS_TYPES[loss_type].has_term:
+        return f"loss {loss:.4f}  ce {ce:.4f}  {loss_type.upper()} {term:.4f}"
+    return f"loss {loss:.4f}"
+
+
+def plot_losses(metrics_path: Path, out: Path, loss_type: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,8 +54,8 @@ def plot_losses(metrics_path: Path, out: Path, term_name: str) -> None:
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
         ax.plot([r["step"] for r in train], [r["ce"] for r in train], label="train CE", alpha=0.6)
-        if term_name != "ce":
-            ax.plot([r["step"] for r in train], [r["term"] for r in train], label=f"train {term_name} term",
+        if LOSS_TYPES[loss_type].has_term:
+            ax.plot([r["step"] for r in train], [r["term"] for r in train], label=f"train {loss_type.upper()} term",
                     alpha=0.6)
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")

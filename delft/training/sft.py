@@ -35,7 +35,7 @@ from delft.training.heldout import HeldOut
 from delft.training.loggers import Reporters
 from delft.training.neftune import add_neftune
 from delft.training.progress import ProgressLines
-from delft.training.report import peak_memory_gb
+from delft.training.report import loss_stats, peak_memory_gb
 from delft.training.placement import Unreadable, local_value
 from delft.training.run import Run
 from delft.training.schedule import check_snapshot_steps, make_schedule, micro_batch_items
@@ -78,7 +78,6 @@ class Trainer:
             add_neftune(model, t.neftune_alpha)
         if t.finetuning == "full":
             self.what = "model"
-        self.term_name = s.recipe.loss.type.upper() if s.recipe.loss.type != "ce" else "digit"
         self.step = 0
         self.step_rng: Optional[dict] = None  # RNG states at the start of a step under way (None between steps)
         mutating = t.finetuning == "lora" and not s.recipe.model.adapter and s.recipe.lora.init in MUTATING_INITS
@@ -197,8 +196,8 @@ class Trainer:
         if not dist.is_main():
             return None
         self._append_metrics({"step": self.step, **ev})
-        self.console.print(f"step {self.step:>5}  validation loss {ev['val_loss']:.4f}  ce {ev['val_ce']:.4f}  "
-                           f"{self.term_name} {ev['val_term']:.4f}", highlight=False)
+        stats = loss_stats(self.recipe.loss.type, ev["val_loss"], ev["val_ce"], ev["val_term"])
+        self.console.print(f"step {self.step:>5}  validation {stats}", highlight=False)
         return ev["val_loss"]
 
     def measure_accuracy(self) -> Optional[float]:
@@ -242,7 +241,7 @@ class Trainer:
                 out, grad_norm = self.train_step()
                 window_tokens += out["tokens"]
                 rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-                stats = f"loss {out['loss']:.4f}  ce {out['ce']:.4f}  {self.term_name} {out['term']:.4f}"
+                stats = loss_stats(self.recipe.loss.type, out["loss"], out["ce"], out["term"])
                 if out.get("p_digit") is not None:  # the shift of the raw digit logits and P(correct digit)
                     stats += f"  digit logit {out['digit_logit']:+.1f}  P(digit) {out['p_digit']:.2f}"
                 progress.update(task, completed=self.step, stats=f"{stats}  {rate:,.0f} tok/s  "

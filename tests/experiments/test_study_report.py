@@ -262,3 +262,17 @@ def test_no_pilot_or_no_shared_run_gives_no_section_and_an_unreadable_pilot_says
     assert pilot_reproduction(study_json(), tmp_path / "other.json") is None
     gone = pilot_reproduction(study_json(), tmp_path / "nowhere")
     assert gone["runs"] == [] and "nowhere" in gone["pilot"] and gone["error"]
+
+
+def test_the_losses_table_shows_a_digit_terms_settings_only_where_there_is_a_term():
+    """dft weighs CE itself (no digit term: no weight, normalisation or place weights to show, as for ce); ntl_was
+    has a term but no place weights; del has all three."""
+    from delft.experiments.summary import study_summary
+
+    report = study_json()
+    report["settings"]["losses"].update({"dft": {**LOSS, "type": "dft"},
+                                         "ntl": {**LOSS, "type": "ntl_was", "weight": 0.3}})
+    summary = study_summary(report)
+    for row in ("| ce | ce | - | - | - |", "| dft | dft | - | - | - |", "| ntl | ntl_was | 0.3 | global | - |",
+                "| del | del | 0.1 | global | reference |"):
+        assert row in summary, summary[:2000]

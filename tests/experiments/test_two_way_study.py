@@ -44,6 +44,9 @@ def test_the_two_way_interval_decides_and_the_calibrator_stays_out_of_holms_fami
     lines = verdict_lines(v)
     first = next(i for i, line in enumerate(lines) if line.startswith("- "))
     assert lines[first].startswith("- Calibrator **del**") and "the design is sensitive" in lines[first]
+    # no positive control, but the calibrator moved: said in the rules paragraph, not as a line of its own
+    assert "the calibrator that moved down is what shows" in lines[2] and "declares no control" not in "\n".join(lines)
+    assert all(line.startswith(("## ", "Rules applied", "- ")) or not line for line in lines), lines
 
 
 def test_a_calibrator_that_does_not_move_down_makes_the_study_insensitive():
@@ -51,4 +54,6 @@ def test_a_calibrator_that_does_not_move_down_makes_the_study_insensitive():
     v = verdicts(rows, [], 2.5, True, ["del"], "two_way")
     assert v["calibrators"]["del"][0]["moved"] == "no"
     assert v["arms"][0]["verdict"] == "not readable" and "insensitive" in v["arms"][0]["why"]
-    assert "the design is insensitive here" in "\n".join(verdict_lines(v))
+    lines = verdict_lines(v)
+    assert "the design is insensitive here" in "\n".join(lines)
+    assert "declares no control" in lines[2] and "the calibrator that moved down" not in "\n".join(lines)

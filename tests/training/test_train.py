@@ -1,7 +1,9 @@
+import io
 import json
 
 import pytest
 import torch
+from rich.console import Console
 from helpers import adapter_weights, interrupt_on_step, recipe_file
 
 import delft.training.sft as train_mod
@@ -112,13 +114,18 @@ def test_resume_flag_without_checkpoint(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("loss", sorted(LOSS_TYPES))  # every registered type, so a new one is covered too
 def test_every_loss_type_trains(tmp_path, tiny_model_dir, loss):
+    console = Console(file=io.StringIO(), width=200)
     run = run_training(load_recipe(recipe_file(tmp_path, tiny_model_dir, loss={"type": loss},
-                                               train={"max_steps": 2})))
+                                               train={"max_steps": 2, "logging_steps": 1})), console=console)
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert json.loads((run / "delft_run.json").read_text())["status"] == "completed"
     no_term = loss == "ce" or LOSS_TYPES[loss].replaces_ce  # dft weighs CE itself
     assert (rows[-1]["term"] == 0) == no_term  # a digit term was computed for every other type
+    step_lines = [ln for ln in console.file.getvalue().splitlines() if ln.startswith("step ") and "validation" not in ln]
+    assert len(step_lines) == 2, console.file.getvalue()[-2000:]
+    # a step line shows a term only where there is one (no "ce 0.0512  DFT 0.0000" for a loss without)
+    assert all((f" {loss.upper()} " in ln) != no_term and (" ce " in ln) != no_term for ln in step_lines), step_lines
 
 
 def test_packing_and_accumulation_train(tmp_path, tiny_model_dir):
