@@ -17,6 +17,7 @@ import delft.training.sft as train_mod
 from delft.recipe.files import load_recipe
 from delft.rundir import read_info
 from delft.training.early_stopping import EarlyStopping
+from delft.training import precheck
 from delft.training.precheck import busy_machine
 from delft.training.stages import run_training
 
@@ -257,6 +258,10 @@ def test_in_process_commands_give_back_the_signal_handlers_and_a_busy_cpu_is_nam
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
+        # as a fresh process: torch's own count is the 2 just set, and nothing of this process's own CPU time is
+        # taken off the load (pytest's process has been busy since an earlier test's choice)
+        precheck.torch_threads.cache_clear()
+        monkeypatch.setattr(precheck, "_LAST_CHOICE", [])
         cores = os.cpu_count() or 1
         monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * cores, 4.0 * cores, 4.0 * cores))  # the machine's load
         recipe = recipe_file(tmp_path, tiny_model_dir, model={"name": str(tiny_model_dir), "device": "cpu"},
@@ -271,6 +276,7 @@ def test_in_process_commands_give_back_the_signal_handlers_and_a_busy_cpu_is_nam
         assert signal.getsignal(signal.SIGINT) is _mine and signal.getsignal(signal.SIGTERM) is _mine
     finally:
         torch.set_num_threads(threads)
+        precheck.torch_threads.cache_clear()
         for s, handler in before.items():
             signal.signal(s, handler)
 
