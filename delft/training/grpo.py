@@ -159,8 +159,8 @@ class RunDirCallback:
     info's step, and a recorded Ctrl-C / SIGTERM ending the run at the next step's end. transformers takes it as a
     TrainerCallback (``trainer_callback``)."""
 
-    def __init__(self, run: Run, keep: int, term_name: str):
-        self.run, self.keep, self.term_name = run, keep, term_name
+    def __init__(self, run: Run, keep: int, loss_type: str):
+        self.run, self.keep, self.loss_type = run, keep, loss_type
         self.started, self.last = time.perf_counter(), (time.perf_counter(), 0)
         self.first_step: Optional[int] = None  # the step before the first logged one (a resumed run's checkpoint)
 
@@ -203,8 +203,8 @@ class RunDirCallback:
             self.first_step = state.global_step - 1
         done = max(1, state.global_step - self.first_step)
         eta = (time.perf_counter() - self.started) / done * (state.max_steps - state.global_step)
-        aux = (f"  aux CE {row['ce']:.4f} {self.term_name} {row['term']:.4f} mu {row['mu']:.2f}"
-               if row.get("mu") else "")
+        term = f" {self.loss_type.upper()} {row['term']:.4f}" if LOSS_TYPES[self.loss_type].has_term else ""
+        aux = f"  aux CE {row['ce']:.4f}{term} mu {row['mu']:.2f}" if row.get("mu") else ""
         return (f"step {state.global_step:>5}/{state.max_steps}  loss {row['loss']:.4f}  reward {row['reward']:.3f} "
                 f"± {row['reward_std']:.3f}  exact {row.get('reward_exact', 0):.2f}{aux}  "
                 f"{row['tokens_per_s']:,.0f} tok/s  ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
@@ -309,8 +309,7 @@ def build_trainer(recipe: Recipe, run: Run, s, model, rows: list[dict], steps: i
     rewards = reward_setup(recipe)
     args = grpo_config(recipe, run.dir, steps, s.device, rewards)
     loss = recipe.loss
-    term_name = loss.type.upper() if loss.type != "ce" else "digit"
-    callback = trainer_callback()(run, recipe.train.keep_checkpoints, term_name)
+    callback = trainer_callback()(run, recipe.train.keep_checkpoints, loss.type)
     trainer = DigitGRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=s.tokenizer, reward_funcs=rewards[0], callbacks=[callback],
                                digit_loss=aux_loss_options(loss),

@@ -237,3 +237,18 @@ def test_grpo_on_reversed_numbers_reads_every_completion_back(tmp_path, digit_mo
     assert raw and len(seen) == len(raw)  # each reward reads each completion once
     assert seen == [read_completion(cut(t, rewards.PLAIN_STOP_STRINGS), recipe.data) for t in raw]
     assert any(s != t for s, t in zip(seen, raw))  # multi-digit numbers, read back reversed
+
+
+@pytest.mark.parametrize("loss, shown", [("del", "aux CE 0.5000 DEL 0.1000 mu 0.20"), ("ce", "aux CE 0.5000 mu 0.20"),
+                                         ("dft", "aux CE 0.5000 mu 0.20")])
+def test_a_grpo_step_line_shows_the_auxiliary_term_only_where_the_loss_has_one(loss, shown):
+    """As the SFT loop's lines: no "digit 0.0000" for ce or "DFT 0.0000" for dft, which have no digit term."""
+    from types import SimpleNamespace
+
+    from delft.training.grpo import RunDirCallback
+
+    row = {"loss": 0.3, "reward": 0.5, "reward_std": 0.1, "reward_exact": 0.25, "tokens_per_s": 100.0, "ce": 0.5,
+           "term": 0.1, "mu": 0.2}
+    line = RunDirCallback(None, 1, loss).line(row, SimpleNamespace(global_step=2, max_steps=4))
+    assert shown in line, line
+    assert (" DEL " in line) == (loss == "del") and " DFT " not in line and " digit " not in line, line
