@@ -60,9 +60,15 @@ class Block:
         return f"{self.page}:{self.line}-{self.lang or 'none'}"
 
 
-def fenced_blocks(path: Path) -> list[Block]:
-    """Every fenced code block of a Markdown page, with the language its fence names ('' for none)."""
-    blocks, open_at, fence, lang, body = [], 0, None, "", []
+INDENTED_DELFT = re.compile(r"^ {4}(delft .*)$")
+
+
+def read_page(path: Path) -> tuple[list[Block], list[tuple[int, str]]]:
+    """A Markdown page's fenced code blocks, with the language each fence names ('' for none), and the `delft`
+    lines of its indented (unfenced) code: the README's overview and install steps. Those are not run
+    (placeholders such as recipe.yaml and runs/ce stand for the reader's own); test_doc_commands checks that delft's
+    parser takes them and that a recipe they name passes recipe check."""
+    blocks, indented, open_at, fence, lang, body = [], [], 0, None, "", []
     for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         m = FENCE.match(line.strip())
         if fence is None and m:
@@ -72,30 +78,14 @@ def fenced_blocks(path: Path) -> list[Block]:
             fence = None
         elif fence is not None:
             body.append(line)
-    return blocks
+        elif INDENTED_DELFT.match(line):
+            indented.append((n, INDENTED_DELFT.match(line).group(1)))
+    return blocks, indented
 
 
-BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
-INDENTED_DELFT = re.compile(r"^ {4}(delft .*)$")
-
-
-def indented_delft_lines(path: Path) -> list[tuple[int, str]]:
-    """The `delft` lines of a page's indented (unfenced) code: the README's overview and install steps. They are
-    not run (placeholders such as recipe.yaml and runs/ce stand for the reader's own); test_doc_commands checks
-    that delft's parser takes them and that a recipe they name passes recipe check."""
-    out, fence = [], None
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        m = FENCE.match(line.strip())
-        if fence is None and m:
-            fence = m.group(1)
-        elif fence is not None and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
-            fence = None
-        elif fence is None and INDENTED_DELFT.match(line):
-            out.append((n, INDENTED_DELFT.match(line).group(1)))
-    return out
-
-
-INDENTED = [(page.relative_to(REPO).as_posix(), n, text) for page in PAGES for n, text in indented_delft_lines(page)]
+PAGE_CODE = {page.relative_to(REPO).as_posix(): read_page(page) for page in PAGES}
+BLOCKS = [b for blocks, _ in PAGE_CODE.values() for b in blocks]
+INDENTED = [(page, n, text) for page, (_, lines) in PAGE_CODE.items() for n, text in lines]
 
 
 def for_the_tiny_model(code: str, model_dir: Path) -> str:
